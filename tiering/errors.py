@@ -1,0 +1,71 @@
+"""The one exception tree of `tiering`.
+
+Every error the library raises on purpose is a `TieringError`; a caller that
+wants to catch "anything tiering refused" catches that one class::
+
+    TieringError
+    ├── ConfigError            a configuration value is missing, mistyped or impossible
+    ├── SpecError              a load/store spec does not fit the layout or the pool
+    ├── ChunkStateError        a call does not fit a chunk's state (misuse of the manager)
+    │   └── UnknownKeyError    the key is not in the tier at all
+    ├── CapacityError          a tier or buffer cannot be sized as asked
+    ├── TransferError          a copy failed inside a backend (wrapped `from` the cause)
+    ├── ResourceClosedError    the object was closed and cannot be used any more
+    └── WorkloadError          a trace or workload description is malformed
+
+Expected outcomes are not errors: a lookup miss, a full tier (``prepare_store``
+returns ``None``) and a failed transfer (a failed result) are return values.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CapacityError",
+    "ChunkStateError",
+    "ConfigError",
+    "ResourceClosedError",
+    "SpecError",
+    "TieringError",
+    "TransferError",
+    "UnknownKeyError",
+    "WorkloadError",
+]
+
+
+class TieringError(Exception):
+    """Base class of every error that `tiering` raises on purpose."""
+
+
+class ConfigError(TieringError, ValueError):
+    """A configuration field is missing, has the wrong type or an impossible value."""
+
+
+class SpecError(TieringError, ValueError):
+    """A load/store spec does not fit the layout, the pool or itself."""
+
+
+class ChunkStateError(TieringError):
+    """A manager call does not fit the state of a chunk (e.g. loading a chunk being written)."""
+
+
+class UnknownKeyError(ChunkStateError, KeyError):
+    """The key names no chunk in the tier."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class CapacityError(TieringError):
+    """A tier, pool or buffer cannot be sized as asked (zero chunks, not enough memory)."""
+
+
+class TransferError(TieringError):
+    """A copy failed inside a transfer backend."""
+
+
+class ResourceClosedError(TieringError):
+    """The object was closed; it cannot be used any more."""
+
+
+class WorkloadError(TieringError, ValueError):
+    """A request trace or workload description is malformed."""

@@ -1,0 +1,131 @@
+"""Load/store specs: where the bytes of a job come from and go to.
+
+A job copies chunks between two media; each side is described by a
+`LoadStoreSpec`. The GPU side names GPU block ids, split by KV-cache group; the
+CPU side (`tiering.cpu.common.CPULoadStoreSpec`) names chunk slots of the tier.
+Specs are validated when built, so a backend can trust their shapes.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from tiering._types import (
+    Medium,
+    OffloadKey,
+    get_offload_block_hash,
+    get_offload_group_idx,
+    make_offload_key,
+)
+from tiering.errors import SpecError
+
+__all__ = [
+    "BlockIDsLoadStoreSpec",
+    "GPULoadStoreSpec",
+    "LoadStoreSpec",
+    "OffloadKey",
+    "get_offload_block_hash",
+    "get_offload_group_idx",
+    "make_offload_key",
+]
+
+IntArray = npt.NDArray[np.int64]
+
+
+def as_id_array(values: Sequence[int] | npt.NDArray[np.integer], what: str) -> IntArray:
+    """``values`` as a 1-D int64 array of non-negative ids, or a `SpecError` naming ``what``."""
+    arr = np.asarray(values)
+    if arr.ndim != 1:
+        raise SpecError(f"{what} must be a 1-D sequence of integers, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise SpecError(f"{what} must hold integers, got dtype {arr.dtype}")
+    arr = arr.astype(np.int64, copy=False)
+    if int(arr.min()) < 0:
+        raise SpecError(f"{what} must be non-negative, got {int(arr.min())}")
+    return arr
+
+
+class LoadStoreSpec(ABC):
+    """Where the bytes of one side of a transfer job are."""
+
+    @staticmethod
+    @abstractmethod
+    def medium() -> Medium:
+        """The medium this spec addresses."""
+
+
+class BlockIDsLoadStoreSpec(LoadStoreSpec, ABC):
+    """A spec that names blocks (or chunk slots) by integer id."""
+
+    __slots__ = ("block_ids",)
+
+    def __init__(self, block_ids: Sequence[int] | npt.NDArray[np.integer]) -> None:
+        self.block_ids: IntArray = as_id_array(block_ids, "block_ids")
+
+    def __len__(self) -> int:
+        return int(self.block_ids.size)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(block_ids={self.block_ids.tolist()!r})"
+
+
+class GPULoadStoreSpec(BlockIDsLoadStoreSpec):
+    """GPU blocks of a job, one consecutive run per KV-cache group.
+
+    ``block_ids`` holds every group's block ids, group after group;
+    ``group_sizes[g]`` says how many belong to group ``g`` and
+    ``block_indices[g]`` is the position in the request of group ``g``'s first
+    block. A load whose first block sits part-way into a chunk
+    (``block_indices[g] % blocks_per_chunk != 0``) skips that chunk's leading
+    pages. Without ``group_sizes``, all blocks belong to group 0 from index 0.
+    """
+
+    __slots__ = ("block_indices", "group_sizes")
+
+    def __init__(
+        self,
+        block_ids: Sequence[int] | npt.NDArray[np.integer],
+        group_sizes: Sequence[int] | npt.NDArray[np.integer] | None = None,
+        block_indices: Sequence[int] | npt.NDArray[np.integer] | None = None,
+    ) -> None:
+        super().__init__(block_ids)
+        n = len(self.block_ids)
+        sizes = as_id_array([n] if group_sizes is None else group_sizes, "group_sizes")
+        if int(sizes.sum()) != n:
+            raise SpecError(
+                f"group_sizes {sizes.tolist()} add up to {int(sizes.sum())}, "
+                f"but there are {n} block_ids; they must add up to the number of block ids"
+            )
+        if block_indices is None:
+            indices = np.zeros(len(sizes), dtype=np.int64)
+        else:
+            indices = as_id_array(block_indices, "block_indices")
+        if len(indices) != len(sizes):
+            raise SpecError(
+                f"block_indices has {len(indices)} entries but group_sizes has {len(sizes)}; "
+                "give one first-block index per group"
+            )
+        self.group_sizes: IntArray = sizes
+        self.block_indices: IntArray = indices
+
+    @staticmethod
+    def medium() -> Medium:
+        return Medium.GPU
+
+    def group_block_ids(self, group: int) -> IntArray:
+        """The block ids of ``group``."""
+        start = int(self.group_sizes[:group].sum())
+        return self.block_ids[start : start + int(self.group_sizes[group])]
+
+    def __repr__(self) -> str:
+        return (
+            f"GPULoadStoreSpec(block_ids={self.block_ids.tolist()!r}, "
+            f"group_sizes={self.group_sizes.tolist()!r}, "
+            f"block_indices={self.block_indices.tolist()!r})"
+        )
