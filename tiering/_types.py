@@ -37,7 +37,7 @@ def get_offload_group_idx(key: OffloadKey) -> int:
     return int.from_bytes(key[-_GROUP_BYTES:], "big")
 
 
-class Medium(str, enum.Enum):
+class Medium(enum.StrEnum):
     """Where a chunk lives, in the words KV cache events use."""
 
     GPU = "GPU"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import Self
 
 import numpy as np
 import numpy.typing as npt
@@ -67,6 +68,13 @@ class BlockIDsLoadStoreSpec(LoadStoreSpec, ABC):
 
     def __init__(self, block_ids: Sequence[int] | npt.NDArray[np.integer]) -> None:
         self.block_ids: IntArray = as_id_array(block_ids, "block_ids")
+
+    @classmethod
+    def from_valid_ids(cls, ids: Sequence[int]) -> Self:
+        """A spec over ``ids`` known to be valid (non-negative ints), skipping the checks."""
+        spec = cls.__new__(cls)
+        spec.block_ids = np.array(ids, dtype=np.int64)
+        return spec
 
     def __len__(self) -> int:
         return int(self.block_ids.size)

@@ -1,0 +1,167 @@
+"""`tiering simulate`: hit rates against an independent LRU, and the command line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from tiering.cli import main
+from tiering.simulate import simulate
+from tiering.workload import Request, chat_workload, read_trace, write_trace
+
+TRACE = (
+    Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "conversation_trace.jsonl"
+)
+
+
+def plain_lru_hits(requests: Sequence[Request], capacity: int) -> tuple[int, int, int]:
+    """Hit blocks, evictions and store failures of a textbook LRU cache of ``capacity`` blocks.
+
+    Per request: the leading present blocks are hits; the hits stay pinned while
+    the missing blocks are stored (evicting the least recent other blocks); then
+    the request's blocks become most recent, head most recent of all.
+    """
+    cache: OrderedDict[int, None] = OrderedDict()
+    hits = evictions = failures = 0
+    for request in requests:
+        ids = list(request.hash_ids)
+        n = 0
+        while n < len(ids) and ids[n] in cache:
+            n += 1
+        hits += n
+        keep = set(ids)
+        missing = [i for i in dict.fromkeys(ids[n:]) if i not in cache]
+        need = len(missing) - (capacity - len(cache))
+        victims = [i for i in cache if i not in keep][: max(need, 0)]
+        if len(victims) < need:
+            failures += 1
+        else:
+            for i in victims:
+                del cache[i]
+            evictions += len(victims)
+            for i in reversed(missing):
+                cache[i] = None
+        for i in reversed(ids):
+            if i in cache:
+                cache.move_to_end(i)
+    return hits, evictions, failures
+
+
+@pytest.mark.parametrize("capacity_blocks", [1, 7, 64, 400])
+def test_lru_hit_rate_matches_an_independent_lru_on_chat(capacity_blocks: int) -> None:
+    requests = chat_workload(600, seed=3)
+    result = simulate(requests, capacity_tokens=capacity_blocks * 512, policy="lru")
+    hits, evictions, failures = plain_lru_hits(requests, capacity_blocks)
+    assert (result.hit_blocks, result.evictions, result.store_failures) == (
+        hits,
+        evictions,
+        failures,
+    )
+    assert result.blocks == sum(len(r.hash_ids) for r in requests)
+    assert result.hit_rate == pytest.approx(hits / result.blocks)
+
+
+@pytest.mark.skipif(not TRACE.exists(), reason="the shared conversation trace is absent")
+def test_lru_hit_rate_matches_an_independent_lru_on_the_trace() -> None:
+    requests = read_trace(TRACE, limit=1500)
+    result = simulate(requests, capacity_tokens=500 * 512, policy="lru")
+    assert result.hit_blocks == plain_lru_hits(requests, 500)[0]
+    assert 0 < result.hit_blocks < result.blocks
+
+
+def test_arc_runs_and_counts_blocks() -> None:
+    requests = chat_workload(300, seed=1)
+    lru = simulate(requests, capacity_tokens=50 * 512, policy="lru")
+    arc = simulate(requests, capacity_tokens=50 * 512, policy="arc")
+    assert (arc.blocks, arc.requests) == (lru.blocks, lru.requests)
+    assert 0 < arc.hit_blocks < arc.blocks
+
+
+def test_cli_prints_a_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--workload", "chat", "--requests", "200",
+                 "--capacity-tokens", "51200,512000", "--policy", "lru,arc"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].split()[:3] == ["policy", "capacity", "tokens"]
+    assert out.count("\nlru ") == 2
+    assert out.count("\narc ") == 2
+    assert "200 requests" in out
+
+
+def test_cli_json_lines(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, chat_workload(120, seed=5))
+    assert main(["simulate", "--trace", str(trace), "--capacity-tokens", "25600",
+                 "--policy", "lru,arc", "--json", "--requests", "100"]) == 0  # fmt: skip
+    lines = capsys.readouterr().out.splitlines()
+    records = [json.loads(line) for line in lines]
+    assert [r["policy"] for r in records] == ["lru", "arc"]
+    for r in records:
+        assert r["requests"] == 100
+        assert r["capacity_tokens"] == 25600
+        for field in ("blocks", "hit_blocks", "hit_rate", "store_failures", "evictions",
+                      "seconds", "keys_per_s"):  # fmt: skip
+            assert field in r
+        assert r["hit_rate"] == pytest.approx(r["hit_blocks"] / r["blocks"])
+
+
+def _bad_trace(tmp_path: Path) -> Path:
+    path = tmp_path / "bad.jsonl"
+    path.write_text(
+        '{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1]}\n'
+        '{"timestamp": 1, "input_length": -5, "output_length": 1, "hash_ids": [2]}\n'
+    )
+    return path
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["simulate", "--trace", "/nonexistent/t.jsonl"], "/nonexistent/t.jsonl"),
+        (["simulate", "--trace", "BAD"], "line 2"),
+        (["simulate", "--workload", "chat", "--capacity-tokens", "-1"], "-1"),
+        (["simulate", "--workload", "chat", "--capacity-tokens", "100"], "100 tokens"),
+        (["simulate", "--workload", "chat", "--capacity-tokens", "1,x"], "'x'"),
+        (["simulate", "--workload", "chat", "--policy", "mru"], "'mru'"),
+        (["simulate", "--workload", "nope"], "nope"),
+        (["simulate", "--workload", "chat", "--requests", "0"], "0"),
+        (["simulate"], "--trace"),
+        (["frobnicate"], "frobnicate"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], expected: str
+) -> None:
+    argv = [str(_bad_trace(tmp_path)) if a == "BAD" else a for a in argv]
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = [line for line in captured.err.splitlines() if not line.startswith("usage:")]
+    lines = [line for line in lines if line.startswith("tiering")]
+    assert len(lines) == 1
+    assert expected in lines[0]
+    assert "Traceback" not in captured.err
+
+
+def test_python_dash_m_runs_and_bad_input_has_no_traceback(tmp_path: Path) -> None:
+    ok = subprocess.run(
+        [sys.executable, "-m", "tiering", "simulate", "--workload", "chat",
+         "--requests", "50", "--capacity-tokens", "51200", "--policy", "lru", "--json"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["requests"] == 50
+    bad = subprocess.run(
+        [sys.executable, "-m", "tiering", "simulate", "--trace", str(tmp_path / "missing")],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert bad.returncode == 2
+    assert bad.stderr.count("\n") == 1
+    assert "Traceback" not in bad.stderr

@@ -1,0 +1,195 @@
+"""The `tiering` command line.
+
+Bad input (a missing file, a malformed trace line, an impossible number, an
+unknown name) prints one line on stderr and exits with code 2, without a
+traceback; every subcommand reports through `_fail`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+import msgspec
+
+from tiering.errors import TieringError
+from tiering.policies import POLICY_NAMES
+from tiering.simulate import SimulationResult, requests_to_keys, simulate_keys
+from tiering.workload import WORKLOADS, Request, load_workload, read_trace
+
+__all__ = ["main"]
+
+_EXIT_USAGE = 2
+
+
+class _UsageError(Exception):
+    """Bad command-line input: reported in one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(_EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text.replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _int_list(text: str) -> list[int]:
+    """A comma-separated list of positive integers (``1000000,3000000``)."""
+    return [_positive_int(part.strip()) for part in text.split(",")]
+
+
+def _name_list(choices: Sequence[str]) -> argparse._ActionType:
+    def parse(text: str) -> list[str]:
+        names = [part.strip().lower() for part in text.split(",")]
+        for name in names:
+            if name not in choices:
+                raise argparse.ArgumentTypeError(
+                    f"unknown name {name!r}; choose from {', '.join(choices)}"
+                )
+        return names
+
+    return parse
+
+
+def _add_workload_args(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--trace", metavar="FILE", help="a Mooncake-format JSON-lines trace")
+    source.add_argument(
+        "--workload", choices=sorted(WORKLOADS), help="a built-in synthetic workload"
+    )
+    parser.add_argument(
+        "--requests", type=_positive_int, metavar="N", help="use only the first N requests"
+    )
+
+
+def _load_requests(args: argparse.Namespace) -> list[Request]:
+    if args.trace is not None:
+        return read_trace(args.trace, limit=args.requests)
+    return load_workload(args.workload, args.requests)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="tiering",
+        description="A KV-cache tiering engine for LLM inference servers.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sim = sub.add_parser(
+        "simulate",
+        help="hit rate of a CPU tier on a workload, per policy and capacity (no bytes moved)",
+        description=(
+            "Replay a request trace through the chunk manager for every policy and "
+            "capacity given, and report hit rates, evictions and store failures."
+        ),
+    )
+    _add_workload_args(sim)
+    sim.add_argument(
+        "--capacity-tokens",
+        type=_int_list,
+        default=[1_000_000, 3_000_000, 10_000_000],
+        metavar="N[,N...]",
+        help="tier capacities in tokens (default: 1000000,3000000,10000000)",
+    )
+    sim.add_argument(
+        "--policy",
+        type=_name_list(POLICY_NAMES),
+        default=list(POLICY_NAMES),
+        metavar="P[,P...]",
+        help=f"cache policies ({', '.join(POLICY_NAMES)}; default: all)",
+    )
+    sim.add_argument(
+        "--block-tokens",
+        type=_positive_int,
+        default=512,
+        metavar="N",
+        help="tokens per hash id (and per chunk), default 512",
+    )
+    sim.add_argument("--json", action="store_true", help="one JSON object per line")
+    sim.set_defaults(run=_run_simulate)
+    return parser
+
+
+def _run_simulate(args: argparse.Namespace) -> None:
+    requests = _load_requests(args)
+    if not requests:
+        raise _UsageError("the workload has no requests")
+    request_keys = requests_to_keys(requests)
+    encoder = msgspec.json.Encoder()
+    results: list[SimulationResult] = []
+    for policy in args.policy:
+        for capacity in args.capacity_tokens:
+            result = simulate_keys(
+                request_keys,
+                capacity_tokens=capacity,
+                policy=policy,
+                block_tokens=args.block_tokens,
+            )
+            if args.json:
+                sys.stdout.buffer.write(encoder.encode(result) + b"\n")
+                sys.stdout.flush()
+            results.append(result)
+    if not args.json:
+        print(_simulation_table(results))
+
+
+def _simulation_table(results: Sequence[SimulationResult]) -> str:
+    header = ("policy", "capacity tokens", "chunks", "hit rate", "hit blocks", "evictions",
+              "store failures", "keys/s")  # fmt: skip
+    rows = [
+        (
+            r.policy,
+            f"{r.capacity_tokens:,}",
+            f"{r.capacity_chunks:,}",
+            f"{r.hit_rate:.2%}",
+            f"{r.hit_blocks:,}",
+            f"{r.evictions:,}",
+            f"{r.store_failures:,}",
+            f"{r.keys_per_s:,.0f}",
+        )
+        for r in results
+    ]
+    widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
+    lines = [
+        "  ".join(
+            cell.ljust(w) if i == 0 else cell.rjust(w)
+            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in (header, *rows)
+    ]
+    first = results[0]
+    lines.insert(1, "-" * len(lines[0]))
+    lines.append(f"{first.requests:,} requests, {first.blocks:,} blocks")
+    return "\n".join(lines)
+
+
+def _fail(message: str) -> NoReturn:
+    print(f"tiering: error: {message}", file=sys.stderr)
+    raise SystemExit(_EXIT_USAGE)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code (bad input exits with 2)."""
+    args = build_parser().parse_args(argv)
+    try:
+        args.run(args)
+    except (TieringError, _UsageError) as exc:
+        _fail(str(exc))
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,439 @@
+"""The control plane of the CPU tier: a pool of chunk slots and their states.
+
+`CPUOffloadingManager` decides what lives where; it never moves bytes, never
+blocks and does no I/O, so the scheduler can call it from the event loop and
+tests can drive it without one.
+
+Chunk states::
+
+    absent --prepare_store--> writing        (not readable; lookup says HIT_PENDING)
+    writing --complete_store(ok)--> ready    (evictable)
+    writing --complete_store(failed)--> absent   (slot freed, no public event)
+    ready --prepare_load--> pinned           (pin count > 0; never evicted)
+    pinned --complete_load--> ready          (when the pin count drops to 0)
+    ready --evicted inside prepare_store--> absent
+
+The cache policy orders the ready chunks; the manager keeps a count of the
+evictable ones (ready, unpinned), so a ``prepare_store`` that cannot make room
+fails in O(1) before touching the policy.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Hashable, Iterable, Sequence
+
+import msgspec
+
+from tiering._types import Medium, OffloadKey
+from tiering.cpu.common import CPULoadStoreSpec
+from tiering.errors import ChunkStateError, ConfigError, UnknownKeyError
+from tiering.policies import CachePolicy, create_policy
+
+__all__ = [
+    "AllChunksCleared",
+    "CPUOffloadingManager",
+    "ChunkEvent",
+    "ChunksRemoved",
+    "ChunksStored",
+    "LookupResult",
+    "ManagerStatistics",
+    "PrepareStoreOutput",
+]
+
+_WRITING = -1  # pin count of a chunk whose store has not landed yet
+
+
+class LookupResult(enum.Enum):
+    """What the tier holds for one key."""
+
+    MISS = "miss"
+    HIT = "hit"
+    HIT_PENDING = "hit_pending"  # being written: not readable yet
+
+
+class PrepareStoreOutput(msgspec.Struct, frozen=True, kw_only=True):
+    """What a store must copy: the keys not yet in the tier, their slots, and evictions."""
+
+    keys_to_store: tuple[OffloadKey, ...]
+    store_spec: CPULoadStoreSpec
+    evicted_keys: tuple[OffloadKey, ...]
+
+
+class ChunksStored(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Chunks whose stores landed: readable from now on."""
+
+    keys: tuple[OffloadKey, ...]
+    medium: Medium = Medium.CPU
+
+
+class ChunksRemoved(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Chunks evicted from the tier."""
+
+    keys: tuple[OffloadKey, ...]
+    medium: Medium = Medium.CPU
+
+
+class AllChunksCleared(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """The tier was reset: every chunk is gone."""
+
+    medium: Medium = Medium.CPU
+
+
+ChunkEvent = ChunksStored | ChunksRemoved | AllChunksCleared
+
+
+class ManagerStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    """A snapshot of the manager. Chunk counts are now; ``*_total`` count since creation."""
+
+    capacity: int
+    used: int
+    free: int
+    writing: int
+    ready: int
+    pinned: int
+    evictable: int
+    lookups_hit_total: int
+    lookups_miss_total: int
+    lookups_pending_total: int
+    stored_total: int
+    store_failed_total: int
+    loaded_total: int
+    evictions_total: int
+    allocation_failures_total: int
+    events_pending: int
+    events_dropped_total: int
+
+    @property
+    def used_ratio(self) -> float:
+        """Fraction of the slots that hold a chunk (writing or ready)."""
+        return self.used / self.capacity if self.capacity else 0.0
+
+
+class _Chunk:
+    """A chunk in the tier: its slot, and its pin count (``_WRITING`` while being stored)."""
+
+    __slots__ = ("pins", "slot")
+
+    def __init__(self, slot: int) -> None:
+        self.slot = slot
+        self.pins = _WRITING
+
+
+class CPUOffloadingManager:
+    """The slot pool of a CPU tier of ``num_chunks`` chunks, and its state machine.
+
+    ``policy`` is a `CachePolicy` or a policy name (``"lru"``, ``"arc"``).
+    With ``enable_events``, stores, evictions and resets queue `ChunkEvent`
+    records for `take_events`, at most ``max_pending_events`` of them: past
+    that the oldest are dropped and counted. Without it no event is built.
+
+    Slots are allocated deterministically: never-used slots in increasing
+    order first, then freed slots, most recently freed first.
+    """
+
+    def __init__(
+        self,
+        num_chunks: int,
+        policy: CachePolicy | str = "lru",
+        *,
+        enable_events: bool = False,
+        max_pending_events: int = 65536,
+    ) -> None:
+        if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
+            raise ConfigError(f"num_chunks must be a positive integer, got {num_chunks!r}")
+        if max_pending_events < 1:
+            raise ConfigError(f"max_pending_events must be at least 1, got {max_pending_events}")
+        self._capacity = num_chunks
+        self._policy = create_policy(policy, num_chunks) if isinstance(policy, str) else policy
+        self._chunks: dict[OffloadKey, _Chunk] = {}
+        self._next_fresh = 0
+        self._free: list[int] = []
+        self._writing = 0
+        self._pinned: set[OffloadKey] = set()  # keys with pins > 0
+        self._evictable = 0
+        self._loads: dict[Hashable, tuple[OffloadKey, ...]] = {}
+        self._enable_events = enable_events
+        self._events: deque[ChunkEvent] = deque()
+        self._max_events = max_pending_events
+        self._events_dropped = 0
+        self._lookups = dict.fromkeys(LookupResult, 0)
+        self._stored = 0
+        self._store_failed = 0
+        self._loaded = 0
+        self._evictions = 0
+        self._alloc_failures = 0
+
+    # -- queries --------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def policy(self) -> CachePolicy:
+        return self._policy
+
+    def lookup(self, key: OffloadKey) -> LookupResult:
+        """Whether ``key`` is ready (`HIT`), being written (`HIT_PENDING`) or absent."""
+        chunk = self._chunks.get(key)
+        if chunk is None:
+            result = LookupResult.MISS
+        elif chunk.pins == _WRITING:
+            result = LookupResult.HIT_PENDING
+        else:
+            result = LookupResult.HIT
+        self._lookups[result] += 1
+        return result
+
+    def lookup_prefix(self, keys: Iterable[OffloadKey]) -> int:
+        """How many of ``keys``, from the first, are ready to load."""
+        chunks = self._chunks
+        hits = 0
+        for key in keys:
+            chunk = chunks.get(key)
+            if chunk is None or chunk.pins == _WRITING:
+                self._lookups[LookupResult.MISS if chunk is None else LookupResult.HIT_PENDING] += 1
+                break
+            hits += 1
+        self._lookups[LookupResult.HIT] += hits
+        return hits
+
+    # -- loads ----------------------------------------------------------------
+
+    def prepare_load(
+        self, keys: Sequence[OffloadKey], *, job: Hashable | None = None
+    ) -> CPULoadStoreSpec:
+        """Pin ready chunks for reading; returns their slots, co-indexed with ``keys``.
+
+        Every key must be ready (else `UnknownKeyError` or `ChunkStateError`,
+        and nothing is pinned). Pins are counted: each ``prepare_load`` needs one
+        ``complete_load``. Passing a ``job`` id makes the completion idempotent:
+        ``complete_load(job=...)`` then releases exactly this call's pins once.
+        """
+        chunks = self._chunks
+        slots = []
+        for key in keys:
+            chunk = chunks.get(key)
+            if chunk is None:
+                raise UnknownKeyError(f"cannot load chunk {key.hex()}: it is not in the tier")
+            if chunk.pins == _WRITING:
+                raise ChunkStateError(
+                    f"cannot load chunk {key.hex()}: it is still being written "
+                    "(HIT_PENDING); load it after its store completes"
+                )
+            slots.append(chunk.slot)
+        if job is not None:
+            if job in self._loads:
+                raise ChunkStateError(f"load job {job!r} already holds pins; use a new job id")
+            self._loads[job] = tuple(keys)
+        for key in keys:
+            chunk = chunks[key]
+            if chunk.pins == 0:
+                self._evictable -= 1
+                self._pinned.add(key)
+            chunk.pins += 1
+        self._loaded += len(slots)
+        return CPULoadStoreSpec.from_valid_ids(slots)
+
+    def complete_load(
+        self, keys: Sequence[OffloadKey] = (), *, job: Hashable | None = None
+    ) -> None:
+        """Release the pins of a finished load (whether it succeeded or not).
+
+        With ``job``, releases that job's pins and ignores ``keys``; a job
+        already completed (or never prepared) is a no-op, so completion is
+        idempotent. Without it, unpins each key once and raises
+        `ChunkStateError` for a key that is not pinned (unpinning more than was
+        pinned), before changing anything.
+        """
+        if job is not None:
+            held = self._loads.pop(job, None)
+            if held is None:
+                return
+            keys = held
+        else:
+            chunks = self._chunks
+            need: dict[OffloadKey, int] = {}
+            for key in keys:
+                need[key] = need.get(key, 0) + 1
+            for key, count in need.items():
+                chunk = chunks.get(key)
+                if chunk is None:
+                    raise UnknownKeyError(f"cannot unpin chunk {key.hex()}: it is not in the tier")
+                if chunk.pins < count:
+                    if chunk.pins == _WRITING:
+                        state = "being written"
+                    else:
+                        state = f"pinned {chunk.pins}x" if chunk.pins else "not pinned"
+                    raise ChunkStateError(
+                        f"cannot unpin chunk {key.hex()} {count}x: it is {state}; "
+                        "each prepare_load is completed exactly once"
+                    )
+        chunks = self._chunks
+        for key in keys:
+            chunk = chunks[key]
+            chunk.pins -= 1
+            if chunk.pins == 0:
+                self._pinned.discard(key)
+                self._evictable += 1
+
+    # -- stores ---------------------------------------------------------------
+
+    def prepare_store(self, keys: Iterable[OffloadKey]) -> PrepareStoreOutput | None:
+        """Allocate slots for the keys not in the tier yet, evicting if needed.
+
+        Keys already present (ready or writing) are skipped, as are repeats.
+        Eviction is all or nothing and takes exactly the missing room; it never
+        takes pinned or writing chunks nor any key of this call. Returns
+        ``None`` (and changes nothing but the failure count) when the room
+        cannot be made.
+        """
+        chunks = self._chunks
+        offered = dict.fromkeys(keys)
+        new_keys: list[OffloadKey] = []
+        offered_ready: list[OffloadKey] = []  # evictable chunks this call must not evict
+        for key in offered:
+            chunk = chunks.get(key)
+            if chunk is None:
+                new_keys.append(key)
+            elif chunk.pins == 0:
+                offered_ready.append(key)
+        need = len(new_keys) - (self._capacity - len(chunks))
+        evicted: list[OffloadKey] = []
+        if need > 0:
+            if self._evictable - len(offered_ready) < need:
+                self._alloc_failures += 1
+                return None
+            protected = self._pinned.union(offered_ready) if offered_ready else self._pinned
+            victims = self._policy.evict(need, protected)
+            if victims is None or len(victims) != need:
+                raise RuntimeError(  # the evictable count and the policy disagree: a bug
+                    f"policy {self._policy!r} gave {victims!r} for {need} victims"
+                )
+            free = self._free
+            for key in victims:
+                free.append(chunks.pop(key).slot)
+            self._evictable -= need
+            self._evictions += need
+            evicted = victims
+            if self._enable_events:
+                self._push_event(ChunksRemoved(keys=tuple(victims)))
+        slots = []
+        fresh_left = self._capacity - self._next_fresh
+        free = self._free
+        for key in new_keys:
+            if fresh_left:
+                slot = self._next_fresh
+                self._next_fresh += 1
+                fresh_left -= 1
+            else:
+                slot = free.pop()
+            chunks[key] = _Chunk(slot)
+            slots.append(slot)
+        self._writing += len(new_keys)
+        return PrepareStoreOutput(
+            keys_to_store=tuple(new_keys),
+            store_spec=CPULoadStoreSpec.from_valid_ids(slots),
+            evicted_keys=tuple(evicted),
+        )
+
+    def complete_store(self, keys: Iterable[OffloadKey], success: bool = True) -> None:
+        """Mark the stores of ``keys`` landed (ready) or failed (slot freed, no event).
+
+        Idempotent: keys not being written (already completed, never prepared,
+        or skipped by ``prepare_store``) are ignored.
+        """
+        chunks = self._chunks
+        done: list[OffloadKey] = []
+        for key in keys:
+            chunk = chunks.get(key)
+            if chunk is not None and chunk.pins == _WRITING:
+                done.append(key)
+                if success:
+                    chunk.pins = 0
+                else:
+                    del chunks[key]
+                    self._free.append(chunk.slot)
+        if not done:
+            return
+        self._writing -= len(done)
+        if success:
+            self._evictable += len(done)
+            self._stored += len(done)
+            self._policy.insert(done)
+            if self._enable_events:
+                self._push_event(ChunksStored(keys=tuple(done)))
+        else:
+            self._store_failed += len(done)
+
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
+        """Commit a request's recency for ``keys``, given head first (the tail is evicted first)."""
+        self._policy.touch(keys)
+
+    # -- events, reset, statistics ---------------------------------------------
+
+    def _push_event(self, event: ChunkEvent) -> None:
+        if len(self._events) >= self._max_events:
+            self._events.popleft()
+            self._events_dropped += 1
+        self._events.append(event)
+
+    def take_events(self) -> list[ChunkEvent]:
+        """The events queued since the last call, oldest first (empty without events)."""
+        events = list(self._events)
+        self._events.clear()
+        return events
+
+    def reset(self, *, force: bool = False) -> None:
+        """Drop every chunk and the policy's history; queue `AllChunksCleared`.
+
+        Refuses (`ChunkStateError`) while chunks are being written or are
+        pinned, as their bytes are in use, unless ``force`` (for use after all
+        transfers have ended).
+        """
+        if not force and (self._writing or self._pinned):
+            raise ChunkStateError(
+                f"cannot reset the tier while {self._writing} chunks are being written and "
+                f"{len(self._pinned)} are pinned; wait for the transfers or pass force=True"
+            )
+        self._chunks.clear()
+        self._free.clear()
+        self._next_fresh = 0
+        self._writing = self._evictable = 0
+        self._pinned.clear()
+        self._loads.clear()
+        self._policy.clear()
+        if self._enable_events:
+            self._push_event(AllChunksCleared())
+
+    def statistics(self) -> ManagerStatistics:
+        used = len(self._chunks)
+        return ManagerStatistics(
+            capacity=self._capacity,
+            used=used,
+            free=self._capacity - used,
+            writing=self._writing,
+            ready=used - self._writing,
+            pinned=len(self._pinned),
+            evictable=self._evictable,
+            lookups_hit_total=self._lookups[LookupResult.HIT],
+            lookups_miss_total=self._lookups[LookupResult.MISS],
+            lookups_pending_total=self._lookups[LookupResult.HIT_PENDING],
+            stored_total=self._stored,
+            store_failed_total=self._store_failed,
+            loaded_total=self._loaded,
+            evictions_total=self._evictions,
+            allocation_failures_total=self._alloc_failures,
+            events_pending=len(self._events),
+            events_dropped_total=self._events_dropped,
+        )
+
+    def __repr__(self) -> str:
+        used = len(self._chunks)
+        return (
+            f"<CPUOffloadingManager [{used}/{self._capacity} chunks: "
+            f"{self._writing} writing, {len(self._pinned)} pinned, {self._evictable} evictable; "
+            f"policy {self._policy.name}]>"
+        )

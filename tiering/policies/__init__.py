@@ -1,0 +1,22 @@
+"""Cache policies: the eviction order of a tier, behind the `CachePolicy` contract."""
+
+from __future__ import annotations
+
+from tiering.errors import ConfigError
+from tiering.policies.arc import ARCPolicy
+from tiering.policies.base import CachePolicy
+from tiering.policies.lru import LRUPolicy
+
+__all__ = ["POLICY_NAMES", "ARCPolicy", "CachePolicy", "LRUPolicy", "create_policy"]
+
+#: Names accepted by `create_policy` (and by ``--policy`` on the command line).
+POLICY_NAMES: tuple[str, ...] = ("lru", "arc")
+
+
+def create_policy(name: str, capacity: int) -> CachePolicy:
+    """A fresh policy called ``name`` for a tier of ``capacity`` chunks."""
+    if name == "lru":
+        return LRUPolicy()
+    if name == "arc":
+        return ARCPolicy(capacity)
+    raise ConfigError(f"unknown cache policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")

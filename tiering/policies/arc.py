@@ -1,0 +1,143 @@
+"""Adaptive Replacement Cache (Megiddo & Modha, FAST '03) over ready chunks.
+
+Design note. ARC keeps two lists of resident keys, T1 (seen by one request) and
+T2 (seen by two or more), and two ghost lists of recently evicted keys, B1 and B2.
+A store of a key found in B1 means "recency was evicted too early": the target
+size ``p`` of T1 grows; a store of a key found in B2 shrinks it. Eviction takes
+T1's least recent key while T1 is larger than ``p``, else T2's.
+
+Two adaptations to a KV-cache tier:
+
+- A request stores its new chunks and then commits recency for all its keys
+  (``touch``). That first touch of a just-inserted key is the same reference as
+  the store, so it only refreshes recency within T1; the next request that uses
+  the key promotes it to T2. Without this, every chunk would look frequent.
+- Victims must be evictable (not pinned by a load, not protected by the store
+  that asks for room), so eviction walks each list from its cold end past the
+  keys it may not take, and plans all ``n`` victims before changing anything.
+
+Ghost lists are bounded as in the paper: ``|T1| + |B1| <= c`` and all four lists
+together hold at most ``2c`` keys, for a capacity of ``c`` chunks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
+from itertools import filterfalse, islice
+
+from tiering._types import OffloadKey
+from tiering.errors import ConfigError
+from tiering.policies.base import CachePolicy
+
+__all__ = ["ARCPolicy"]
+
+
+class ARCPolicy(CachePolicy):
+    """ARC eviction for a tier of ``capacity`` chunks (sizes the ghost lists)."""
+
+    name = "arc"
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ConfigError(f"ARCPolicy capacity must be at least 1 chunk, got {capacity}")
+        self._capacity = capacity
+        self._p = 0.0
+        # Front = least recent. T1 values: True while the key awaits its first touch.
+        self._t1: OrderedDict[OffloadKey, bool] = OrderedDict()
+        self._t2: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._b1: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._b2: OrderedDict[OffloadKey, None] = OrderedDict()
+
+    @property
+    def target_t1(self) -> float:
+        """The adaptive target size ``p`` of T1."""
+        return self._p
+
+    def insert(self, keys: Sequence[OffloadKey]) -> None:
+        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
+        for key in reversed(keys):
+            if key in b1:
+                self._p = min(self._capacity, self._p + max(len(b2) / len(b1), 1.0))
+                del b1[key]
+                t2[key] = None
+            elif key in b2:
+                self._p = max(0.0, self._p - max(len(b1) / len(b2), 1.0))
+                del b2[key]
+                t2[key] = None
+            else:
+                t1[key] = True
+        self._trim_ghosts()
+
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
+        t1, t2 = self._t1, self._t2
+        for key in reversed(keys):
+            fresh = t1.get(key)
+            if fresh is not None:
+                if fresh:
+                    t1[key] = False
+                    t1.move_to_end(key)
+                else:
+                    del t1[key]
+                    t2[key] = None
+            elif key in t2:
+                t2.move_to_end(key)
+
+    def evict(self, n: int, protected: AbstractSet[OffloadKey]) -> list[OffloadKey] | None:
+        if n <= 0:
+            return []
+        t1, t2 = self._t1, self._t2
+        # One victim at a time, ARC takes T1's coldest while |T1| (less what it
+        # took) exceeds p, then T2's; a list short of candidates hands over.
+        want_t1 = min(n, max(0, math.ceil(len(t1) - self._p)))
+        cand1 = filterfalse(protected.__contains__, t1)
+        from_t1 = list(islice(cand1, want_t1))
+        from_t2 = list(islice(filterfalse(protected.__contains__, t2), n - len(from_t1)))
+        short = n - len(from_t1) - len(from_t2)
+        if short:
+            from_t1.extend(islice(cand1, short))
+            if len(from_t1) + len(from_t2) < n:
+                return None
+        b1, b2 = self._b1, self._b2
+        for key in from_t1:
+            del t1[key]
+            b1[key] = None
+        for key in from_t2:
+            del t2[key]
+            b2[key] = None
+        self._trim_ghosts()
+        return from_t1 + from_t2
+
+    def _trim_ghosts(self) -> None:
+        c = self._capacity
+        t1, b1, b2 = self._t1, self._b1, self._b2
+        while b1 and len(t1) + len(b1) > c:
+            b1.popitem(last=False)
+        excess = len(t1) + len(self._t2) + len(b1) + len(b2) - 2 * c
+        while excess > 0 and b2:
+            b2.popitem(last=False)
+            excess -= 1
+        while excess > 0 and b1:
+            b1.popitem(last=False)
+            excess -= 1
+
+    def remove(self, keys: Sequence[OffloadKey]) -> None:
+        for key in keys:
+            if self._t1.pop(key, None) is None:
+                self._t2.pop(key, None)
+
+    def clear(self) -> None:
+        for lst in (self._t1, self._t2, self._b1, self._b2):
+            lst.clear()
+        self._p = 0.0
+
+    def __len__(self) -> int:
+        return len(self._t1) + len(self._t2)
+
+    def __repr__(self) -> str:
+        return (
+            f"<ARCPolicy [T1: {len(self._t1)}, T2: {len(self._t2)}, "
+            f"B1: {len(self._b1)}, B2: {len(self._b2)}, p: {self._p:.1f}]>"
+        )

@@ -1,0 +1,63 @@
+"""The cache-policy contract: which ready chunks to evict, in which order.
+
+A policy sees only keys of *ready* chunks (stored and readable); the manager
+keeps states, slots and pins and asks the policy for victims. The contract is
+five methods, kept small so a new policy is easy to write and to test against
+the shared contract suite:
+
+- ``insert(keys)``: chunks became ready, in request order (head first);
+- ``touch(keys)``: a request used these chunks; commit their recency, head first;
+- ``evict(n, protected)``: choose and forget exactly ``n`` victims, or nothing;
+- ``remove(keys)``: chunks left the tier without being evicted;
+- ``clear()``: forget everything.
+
+Ordering guarantee every policy keeps: within one ``insert`` or ``touch`` call,
+a key nearer the head of the request is never evicted before a key nearer its
+tail (a prefix is only useful from its head, so its tail goes first).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
+
+from tiering._types import OffloadKey
+
+__all__ = ["CachePolicy"]
+
+
+class CachePolicy(ABC):
+    """Eviction order over the ready chunks of one tier."""
+
+    #: Short name used on the command line and in statistics.
+    name: str = ""
+
+    @abstractmethod
+    def insert(self, keys: Sequence[OffloadKey]) -> None:
+        """Track ``keys`` (not tracked yet), which just became ready, head first."""
+
+    @abstractmethod
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
+        """A request used ``keys`` (head first); untracked keys are ignored."""
+
+    @abstractmethod
+    def evict(self, n: int, protected: AbstractSet[OffloadKey]) -> list[OffloadKey] | None:
+        """Choose ``n`` tracked keys not in ``protected`` and stop tracking them.
+
+        All or nothing: when fewer than ``n`` candidates exist, return ``None``
+        and change nothing. ``protected`` holds the keys that must stay (pinned
+        chunks, keys of the store asking for room); it is not kept.
+        """
+
+    @abstractmethod
+    def remove(self, keys: Sequence[OffloadKey]) -> None:
+        """Stop tracking ``keys`` (left the tier without eviction); unknown keys are ignored."""
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Forget every key (and any history such as ghost lists)."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Number of tracked (ready) keys."""
