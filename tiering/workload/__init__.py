@@ -1,0 +1,22 @@
+"""Request workloads for replays: Mooncake-format traces and built-in synthetic ones.
+
+Both give a list of `Request` (arrival time in ms, prompt and answer lengths in
+tokens, one prefix-hash id per 512-token block), the form `tiering replay` runs.
+"""
+
+from __future__ import annotations
+
+from tiering.workload.chat import WORKLOADS, WorkloadFactory, chat_workload, load_workload
+from tiering.workload.trace import BLOCK_TOKENS, Request, iter_trace, read_trace, write_trace
+
+__all__ = [
+    "BLOCK_TOKENS",
+    "WORKLOADS",
+    "Request",
+    "WorkloadFactory",
+    "chat_workload",
+    "iter_trace",
+    "load_workload",
+    "read_trace",
+    "write_trace",
+]

@@ -1,0 +1,299 @@
+"""A built-in synthetic workload: multi-turn chat over shared system prompts.
+
+`chat_workload` returns requests in the trace form (`Request`), so a replay runs
+with no trace file, and `load_workload` finds a built-in workload by name.
+
+Design note. Each conversation is one growing token stream::
+
+    system prompt | user 1 | answer 1 | user 2 | answer 2 | ...
+
+and turn k's prompt is the prefix of that stream up to the end of user message k.
+Hash block i of a prompt covers its tokens ``[i * 512, (i + 1) * 512)``. A *full*
+block's content is fixed by the stream alone, so it is named by where it lies:
+by (system prompt, i) when it lies wholly inside the system prompt, shared by
+every conversation that uses that prompt, and by (conversation, i) otherwise,
+shared by every later turn of the conversation. A prompt's last, partial block
+holds content that no other request has (later turns fill it further), so it gets
+a fresh id. This is exactly the reuse a prefix cache sees in a chat service:
+system-prompt blocks across conversations, the whole history within one. Ids are
+numbered in order of first appearance, as in the Mooncake traces.
+
+Timing: conversations start as a Poisson process; a conversation's next turn
+arrives after the previous answer has been decoded plus an exponential think
+time, so conversations interleave. Lengths are log-normal (heavy-tailed user
+messages, a few hundred tokens of answer), and a conversation ends after a
+geometric number of turns or when its next prompt would pass
+``max_input_tokens``. Everything is drawn from one seeded `numpy.random.Generator`
+in a fixed order, so a seed names one workload, and the first n requests of a
+longer workload are the n requests of a shorter one.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import NamedTuple, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from tiering.errors import WorkloadError
+from tiering.workload.trace import BLOCK_TOKENS, Request
+
+__all__ = [
+    "WORKLOADS",
+    "WorkloadFactory",
+    "chat_workload",
+    "load_workload",
+]
+
+# Shapes that are not parameters: log-normal spreads of message lengths, bounds,
+# and how fast an answer is decoded (it delays the user's next turn).
+_USER_SIGMA = 1.2
+_OUTPUT_SIGMA = 0.8
+_MIN_USER_TOKENS = 8
+_MAX_OUTPUT_TOKENS = 4096
+_DECODE_SECONDS_PER_TOKEN = 0.02
+# Conversations are drawn this many at a time; fixed, so that the draws (and the
+# workload) do not depend on how many requests are asked for.
+_BATCH = 64
+
+
+class _Turn(NamedTuple):
+    time_s: float
+    conversation: int
+    turn: int
+    system_prompt: int
+    system_tokens: int
+    input_length: int
+    output_length: int
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise WorkloadError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _check_real(name: str, value: object, minimum: float, *, inclusive: bool) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < minimum
+        or (value == minimum and not inclusive)
+    ):
+        bound = ">=" if inclusive else ">"
+        raise WorkloadError(f"{name} must be a finite number {bound} {minimum:g}, got {value!r}")
+    return float(value)
+
+
+def _log_normal_mu(mean: float, sigma: float) -> float:
+    """The ``mu`` of a log-normal with this ``mean`` and ``sigma``."""
+    return math.log(mean) - sigma * sigma / 2.0
+
+
+def chat_workload(
+    num_requests: int = 5000,
+    *,
+    seed: int = 0,
+    num_system_prompts: int = 8,
+    system_prompt_tokens: int = 2048,
+    popularity_skew: float = 1.0,
+    mean_turns: float = 4.0,
+    user_tokens: int = 600,
+    output_tokens: int = 350,
+    request_rate: float = 3.0,
+    think_time_s: float = 30.0,
+    max_input_tokens: int = 32768,
+) -> list[Request]:
+    """A deterministic multi-turn chat workload of ``num_requests`` requests.
+
+    - ``num_system_prompts`` system prompts of ``system_prompt_tokens`` tokens on
+      average (each drawn from half to one and a half times that), chosen by
+      conversations with Zipf popularity: prompt r (from 0) has weight
+      ``1 / (r + 1) ** popularity_skew``;
+    - conversations of ``mean_turns`` turns on average (geometric); turn k's
+      prompt is turn k-1's prompt, its answer and a new user message of
+      ``user_tokens`` tokens on average; answers have ``output_tokens`` on
+      average; no prompt is longer than ``max_input_tokens`` (the first turn's
+      message is cut to fit, a later turn that would not fit ends the conversation);
+    - requests arrive at about ``request_rate`` per second in the long run
+      (conversations start at ``request_rate / mean_turns`` per second), a turn
+      ``think_time_s`` on average after the previous answer ends.
+
+    Requests are sorted by ``timestamp`` (ms, from 0). ``hash_ids`` has one id per
+    `BLOCK_TOKENS`-token block, ``(len(hash_ids) - 1) * BLOCK_TOKENS < input_length
+    <= len(hash_ids) * BLOCK_TOKENS``; equal leading ids are exactly shared
+    prefixes. The same arguments always give the same requests. Raises
+    `WorkloadError` for a parameter out of range.
+    """
+    _check_int("num_requests", num_requests, 0)
+    _check_int("seed", seed, 0)
+    _check_int("num_system_prompts", num_system_prompts, 1)
+    _check_int("system_prompt_tokens", system_prompt_tokens, 1)
+    skew = _check_real("popularity_skew", popularity_skew, 0.0, inclusive=True)
+    turns_mean = _check_real("mean_turns", mean_turns, 1.0, inclusive=True)
+    _check_int("user_tokens", user_tokens, _MIN_USER_TOKENS)
+    _check_int("output_tokens", output_tokens, 1)
+    rate = _check_real("request_rate", request_rate, 0.0, inclusive=False)
+    think = _check_real("think_time_s", think_time_s, 0.0, inclusive=True)
+    _check_int("max_input_tokens", max_input_tokens, 1)
+    if max_input_tokens < 2 * system_prompt_tokens:
+        raise WorkloadError(
+            f"max_input_tokens must be at least 2 * system_prompt_tokens = "
+            f"{2 * system_prompt_tokens} so that every first turn fits, got {max_input_tokens}"
+        )
+    if num_requests == 0:
+        return []
+
+    rng = np.random.default_rng(seed)
+    turns = _draw_turns(
+        rng,
+        num_requests,
+        system_lengths=rng.integers(
+            max(1, system_prompt_tokens // 2),
+            system_prompt_tokens * 3 // 2 + 1,
+            size=num_system_prompts,
+        ),
+        skew=skew,
+        mean_turns=turns_mean,
+        user_tokens=user_tokens,
+        output_tokens=output_tokens,
+        conversation_rate=rate / turns_mean,
+        think_time_s=think,
+        max_input_tokens=max_input_tokens,
+    )
+    return _to_requests(turns)
+
+
+def _draw_turns(
+    rng: np.random.Generator,
+    num_requests: int,
+    *,
+    system_lengths: npt.NDArray[np.int64],
+    skew: float,
+    mean_turns: float,
+    user_tokens: int,
+    output_tokens: int,
+    conversation_rate: float,
+    think_time_s: float,
+    max_input_tokens: int,
+) -> list[_Turn]:
+    """The ``num_requests`` earliest turns, sorted by arrival time."""
+    weights = np.arange(1, system_lengths.size + 1, dtype=np.float64) ** -skew
+    weights /= weights.sum()
+    user_mu = _log_normal_mu(user_tokens, _USER_SIGMA)
+    output_mu = _log_normal_mu(output_tokens, _OUTPUT_SIGMA)
+
+    turns: list[_Turn] = []
+    # Negated arrival times of the num_requests earliest turns so far (a max-heap):
+    # once the next conversation starts after the latest of them, no later
+    # conversation can put a turn among the earliest num_requests.
+    earliest: list[float] = []
+    start = 0.0
+    conversation = 0
+    while True:
+        systems = rng.choice(system_lengths.size, size=_BATCH, p=weights)
+        counts = rng.geometric(1.0 / mean_turns, size=_BATCH)
+        start_gaps = rng.exponential(1.0 / conversation_rate, size=_BATCH)
+        total = int(counts.sum())
+        users = rng.lognormal(user_mu, _USER_SIGMA, size=total)
+        outputs = rng.lognormal(output_mu, _OUTPUT_SIGMA, size=total)
+        thinks = rng.exponential(think_time_s, size=total)
+        users_int = np.maximum(np.rint(users), _MIN_USER_TOKENS).astype(np.int64).tolist()
+        outputs_int = np.clip(np.rint(outputs), 1, _MAX_OUTPUT_TOKENS).astype(np.int64).tolist()
+        thinks_list = thinks.tolist()
+        offset = 0
+        for j in range(_BATCH):
+            if len(earliest) == num_requests and -earliest[0] <= start:
+                turns.sort()
+                return turns[:num_requests]
+            system = int(systems[j])
+            system_tokens = int(system_lengths[system])
+            length = system_tokens
+            time_s = start
+            for k in range(int(counts[j])):
+                prompt = length + users_int[offset + k]
+                if k == 0:
+                    prompt = min(prompt, max_input_tokens)
+                elif prompt > max_input_tokens:
+                    break
+                output = outputs_int[offset + k]
+                turns.append(_Turn(time_s, conversation, k, system, system_tokens, prompt, output))
+                if len(earliest) < num_requests:
+                    heapq.heappush(earliest, -time_s)
+                elif time_s < -earliest[0]:
+                    heapq.heapreplace(earliest, -time_s)
+                length = prompt + output
+                time_s += output * _DECODE_SECONDS_PER_TOKEN + thinks_list[offset + k]
+            offset += int(counts[j])
+            conversation += 1
+            start += float(start_gaps[j])
+
+
+def _to_requests(turns: list[_Turn]) -> list[Request]:
+    """Turn sorted turns into requests, numbering block ids by first appearance.
+
+    A conversation's turns come in order and its prompts only grow, so the ids of
+    its full blocks are kept as one growing list (the stream) and each turn names
+    only its new blocks.
+    """
+    next_id = 0
+    system_ids: dict[int, list[int]] = {}
+    streams: dict[int, list[int]] = {}
+    requests: list[Request] = []
+    for turn in turns:
+        full_blocks = turn.input_length // BLOCK_TOKENS
+        stream = streams.setdefault(turn.conversation, [])
+        if len(stream) < full_blocks:
+            system = system_ids.setdefault(turn.system_prompt, [])
+            shared = min(turn.system_tokens // BLOCK_TOKENS, full_blocks)
+            while len(system) < shared:
+                system.append(next_id)
+                next_id += 1
+            if len(stream) < shared:
+                stream.extend(system[len(stream) : shared])
+            fresh = full_blocks - len(stream)
+            stream.extend(range(next_id, next_id + fresh))
+            next_id += fresh
+        hash_ids = stream[:full_blocks]
+        if turn.input_length % BLOCK_TOKENS:
+            hash_ids.append(next_id)  # the partial last block: content no one else has
+            next_id += 1
+        requests.append(
+            Request(
+                timestamp=int(turn.time_s * 1000.0),
+                input_length=turn.input_length,
+                output_length=turn.output_length,
+                hash_ids=tuple(hash_ids),
+            )
+        )
+    return requests
+
+
+class WorkloadFactory(Protocol):
+    """A built-in workload: ``num_requests`` requests, deterministic for a ``seed``."""
+
+    def __call__(self, num_requests: int = ..., *, seed: int = ...) -> list[Request]: ...
+
+
+#: The built-in workloads by name (read-only).
+WORKLOADS: Mapping[str, WorkloadFactory] = MappingProxyType({"chat": chat_workload})
+
+
+def load_workload(name: str, num_requests: int | None = None, *, seed: int = 0) -> list[Request]:
+    """The built-in workload ``name`` with ``num_requests`` requests (``None``: its default).
+
+    Raises `WorkloadError` for an unknown name (the message lists the known ones)
+    or a bad ``num_requests`` or ``seed``.
+    """
+    factory = WORKLOADS.get(name)
+    if factory is None:
+        known = ", ".join(repr(known_name) for known_name in sorted(WORKLOADS))
+        raise WorkloadError(f"unknown workload {name!r}; known workloads: {known}")
+    if num_requests is None:
+        return factory(seed=seed)
+    return factory(num_requests, seed=seed)
