@@ -1,0 +1,380 @@
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import msgspec
+import pytest
+
+from tiering.config import (
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+    load_config,
+)
+from tiering.errors import ConfigError
+
+# A hybrid model: one full-attention group and one sliding-window group of
+# 16-token blocks, 4 blocks per chunk (64 tokens), a 4000-token window
+# (ceil(4000 / 64) = 63 chunks), on rank 1 of a TP=2 engine.
+HYBRID_TOML = """\
+worker_kv_bytes_per_block = 131072
+enable_kv_cache_events = true
+engine_id = "engine-0"
+
+[extra_config]
+block_size = 64
+cache_policy = "lru"
+
+[[groups]]
+tokens_per_block = 16
+layer_names = ["model.layers.0.attn", "model.layers.2.attn"]
+
+[[groups]]
+tokens_per_block = 16
+layer_names = ["model.layers.1.attn", "model.layers.3.attn"]
+sliding_window_size_in_chunks = 63
+
+[model]
+name = "google/gemma-3-4b-it"
+dtype = "bfloat16"
+max_model_len = 32768
+
+[cache]
+tokens_per_hash = 16
+blocks_per_chunk = 4
+
+[parallel]
+rank = 1
+world_size = 2
+tp_size = 2
+pp_size = 1
+pcp_size = 1
+dcp_size = 1
+data_parallel_index = 0
+is_parallelism_agnostic = false
+"""
+
+HYBRID = OffloadingConfig(
+    groups=(
+        OffloadingGroupConfig(
+            tokens_per_block=16, layer_names=("model.layers.0.attn", "model.layers.2.attn")
+        ),
+        OffloadingGroupConfig(
+            tokens_per_block=16,
+            layer_names=("model.layers.1.attn", "model.layers.3.attn"),
+            sliding_window_size_in_chunks=63,
+        ),
+    ),
+    worker_kv_bytes_per_block=131072,
+    enable_kv_cache_events=True,
+    extra_config={"block_size": 64, "cache_policy": "lru"},
+    engine_id="engine-0",
+    model=OffloadingModelConfig(name="google/gemma-3-4b-it", dtype="bfloat16", max_model_len=32768),
+    cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=4),
+    parallel=OffloadingParallelConfig(
+        rank=1,
+        world_size=2,
+        tp_size=2,
+        pp_size=1,
+        pcp_size=1,
+        dcp_size=1,
+        data_parallel_index=0,
+        is_parallelism_agnostic=False,
+    ),
+)
+
+
+def minimal_dict() -> dict[str, Any]:
+    """The smallest valid config as plain data: every field without a default."""
+    return {
+        "groups": [{"tokens_per_block": 16, "layer_names": ["l0", "l1"]}],
+        "worker_kv_bytes_per_block": 65536,
+        "engine_id": "e0",
+        "model": {"name": "meta-llama/Llama-3.1-8B", "dtype": "float16"},
+        "cache": {"tokens_per_hash": 16, "blocks_per_chunk": 1},
+    }
+
+
+def write_json(tmp_path: Path, data: dict[str, Any], name: str = "tier.json") -> Path:
+    path = tmp_path / name
+    path.write_text(json.dumps(data))
+    return path
+
+
+# --- loading --------------------------------------------------------------------------
+
+
+def test_load_toml_hybrid(tmp_path: Path) -> None:
+    path = tmp_path / "tier.toml"
+    path.write_text(HYBRID_TOML)
+    config = load_config(path)
+    assert config == HYBRID
+    assert config.tokens_per_chunk == (64, 64)
+    assert config.groups[1].sliding_window_size_in_chunks == 63
+    assert config.groups[0].sliding_window_size_in_chunks is None
+
+
+def test_load_json_round_trip(tmp_path: Path) -> None:
+    path = tmp_path / "tier.json"
+    path.write_bytes(msgspec.json.encode(HYBRID))
+    assert load_config(str(path)) == HYBRID
+
+
+def test_load_json_defaults(tmp_path: Path) -> None:
+    config = load_config(write_json(tmp_path, minimal_dict()))
+    assert config.enable_kv_cache_events is False
+    assert config.extra_config == {}
+    assert config.model.max_model_len == 0
+    assert config.groups == (OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0", "l1")),)
+    assert config.parallel == OffloadingParallelConfig(
+        rank=0,
+        world_size=1,
+        tp_size=1,
+        pp_size=1,
+        pcp_size=1,
+        dcp_size=1,
+        data_parallel_index=0,
+        is_parallelism_agnostic=False,
+    )
+    assert config.tokens_per_chunk == (16,)
+
+
+def test_load_accepts_an_engine_without_groups(tmp_path: Path) -> None:
+    data = minimal_dict()
+    data["groups"] = []
+    data["worker_kv_bytes_per_block"] = 0
+    config = load_config(write_json(tmp_path, data))
+    assert config.groups == ()
+    assert config.tokens_per_chunk == ()
+
+
+def _set(data: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, last = dotted.split(".")
+    node: Any = data
+    for part in parents:
+        node = node[int(part)] if part.isdigit() else node[part]
+    node[last] = value
+
+
+def _drop(data: dict[str, Any], dotted: str) -> None:
+    *parents, last = dotted.split(".")
+    node: Any = data
+    for part in parents:
+        node = node[part]
+    del node[last]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "fragments"),
+    [
+        # unknown fields, at the top and nested
+        ("colour", "blue", ["Object contains unknown field `colour`"]),
+        ("cache.chunk_bytes", 4096, ["unknown field `chunk_bytes`", "at `$.cache`"]),
+        # wrong types: msgspec names the expected and the actual type, and the path
+        ("cache.blocks_per_chunk", "4", ["got `str`", "`$.cache.blocks_per_chunk`"]),
+        ("cache.tokens_per_hash", 16.5, ["Expected `int`", "`$.cache.tokens_per_hash`"]),
+        ("groups.0.tokens_per_block", True, ["got `bool`", "`$.groups[0].tokens_per_block`"]),
+        ("groups.0.layer_names", "l0", ["Expected `array`", "`$.groups[0].layer_names`"]),
+        ("enable_kv_cache_events", "yes", ["Expected `bool`", "`$.enable_kv_cache_events`"]),
+        ("engine_id", None, ["Expected `str`, got `null`", "`$.engine_id`"]),
+        # impossible values: the field, the value and the struct's path
+        ("cache.blocks_per_chunk", 0, ["blocks_per_chunk must be >= 1", "got 0", "`$.cache`"]),
+        ("cache.blocks_per_chunk", -2, ["blocks_per_chunk must be >= 1", "got -2", "`$.cache`"]),
+        ("cache.tokens_per_hash", 0, ["tokens_per_hash must be >= 1", "got 0", "`$.cache`"]),
+        ("groups.0.tokens_per_block", 0, ["tokens_per_block must be", "got 0 - at `$.groups[0]`"]),
+        ("groups.0.tokens_per_block", -16, ["tokens_per_block must be >= 1", "got -16"]),
+        ("groups.0.sliding_window_size_in_chunks", 0,
+         ["sliding_window_size_in_chunks must be >= 1", "got 0", "`$.groups[0]`"]),
+        ("groups.0.layer_names", [], ["layer_names is empty", "`$.groups[0]`"]),
+        ("groups.0.layer_names", ["l0", "l0"], ["names layer 'l0' twice", "`$.groups[0]`"]),
+        ("worker_kv_bytes_per_block", -1, ["worker_kv_bytes_per_block must be >= 0", "got -1"]),
+        ("model.max_model_len", -1, ["max_model_len must be >= 0", "got -1", "`$.model`"]),
+        ("model.name", "", ["OffloadingModelConfig.name must be a non-empty string, got ''"]),
+        ("engine_id", "", ["OffloadingConfig.engine_id must be a non-empty string, got ''"]),
+        ("parallel", {"rank": 2, "world_size": 2, "tp_size": 2, "pp_size": 1, "pcp_size": 1,
+                      "dcp_size": 1, "data_parallel_index": 0, "is_parallelism_agnostic": False},
+         ["rank must be in [0, world_size=2), got 2", "`$.parallel`"]),
+    ],
+)  # fmt: skip
+def test_load_json_rejects(tmp_path: Path, field: str, value: Any, fragments: list[str]) -> None:
+    data = minimal_dict()
+    _set(data, field, value)
+    path = write_json(tmp_path, data, "bad.json")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert "bad.json" in message
+    for fragment in fragments:
+        assert fragment in message
+
+
+@pytest.mark.parametrize("field", ["engine_id", "model", "cache", "groups", "model.dtype"])
+def test_load_json_requires(tmp_path: Path, field: str) -> None:
+    data = minimal_dict()
+    _drop(data, field)
+    with pytest.raises(ConfigError, match=rf"missing required field `{field.split('.')[-1]}`"):
+        load_config(write_json(tmp_path, data))
+
+
+def test_load_rejects_tokens_per_block_not_multiple_of_hash(tmp_path: Path) -> None:
+    data = minimal_dict()
+    data["groups"][0]["tokens_per_block"] = 24
+    with pytest.raises(ConfigError) as info:
+        load_config(write_json(tmp_path, data))
+    assert "groups[0].tokens_per_block=24" in str(info.value)
+    assert "tokens_per_hash=16" in str(info.value)
+
+
+def test_load_rejects_layer_in_two_groups(tmp_path: Path) -> None:
+    data = minimal_dict()
+    data["groups"].append({"tokens_per_block": 32, "layer_names": ["l2", "l1"]})
+    with pytest.raises(ConfigError, match=r"layer 'l1' is in groups\[0\] and groups\[1\]"):
+        load_config(write_json(tmp_path, data))
+
+
+def test_load_toml_rejects_with_path(tmp_path: Path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(HYBRID_TOML.replace("blocks_per_chunk = 4", "blocks_per_chunk = 0"))
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert "bad.toml" in message
+    assert "blocks_per_chunk must be >= 1" in message
+    assert "got 0" in message
+    assert "`$.cache`" in message
+
+
+def test_load_toml_unknown_field(tmp_path: Path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(HYBRID_TOML.replace("[model]\n", "[model]\nrevision = 'main'\n"))
+    with pytest.raises(ConfigError, match=r"unknown field `revision` - at `\$\.model`"):
+        load_config(path)
+
+
+def test_load_malformed_json(tmp_path: Path) -> None:
+    path = tmp_path / "broken.json"
+    path.write_text('{"groups": [')
+    with pytest.raises(ConfigError, match=r"broken\.json.*is not valid JSON"):
+        load_config(path)
+
+
+def test_load_malformed_toml(tmp_path: Path) -> None:
+    path = tmp_path / "broken.toml"
+    path.write_text("engine_id = \n")
+    with pytest.raises(ConfigError, match=r"broken\.toml.*is not valid TOML"):
+        load_config(path)
+
+
+def test_load_toml_not_utf8(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.toml"
+    path.write_bytes('engine_id = "caf\u00e9"\n'.encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"latin1\.toml' is not UTF-8"):
+        load_config(path)
+
+
+def test_load_rejects_other_suffix(tmp_path: Path) -> None:
+    path = tmp_path / "tier.yaml"
+    path.write_text("engine_id: e0\n")
+    with pytest.raises(ConfigError, match=r"suffix '\.yaml'; use a \.json or \.toml file"):
+        load_config(path)
+
+
+def test_load_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "absent.json"
+    with pytest.raises(ConfigError, match=r"cannot read config file .*absent\.json") as info:
+        load_config(path)
+    assert isinstance(info.value.__cause__, FileNotFoundError)
+
+
+# --- building in Python -------------------------------------------------------------------
+
+
+def test_direct_construction_normalises_sequences() -> None:
+    group = OffloadingGroupConfig(tokens_per_block=32, layer_names=["a", "b"])  # type: ignore[arg-type]
+    assert group.layer_names == ("a", "b")
+    config = OffloadingConfig(
+        groups=[group],  # type: ignore[arg-type]
+        worker_kv_bytes_per_block=0,
+        extra_config=MappingProxyType({"block_size": 64}),  # type: ignore[arg-type]
+        engine_id="e",
+        model=OffloadingModelConfig(name="m", dtype="float16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=2),
+    )
+    assert config.groups == (group,)
+    assert config.extra_config == {"block_size": 64}
+    assert type(config.extra_config) is dict
+    assert config.tokens_per_chunk == (64,)
+
+
+def test_records_are_frozen() -> None:
+    with pytest.raises(AttributeError):
+        HYBRID.engine_id = "other"  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        HYBRID.cache.blocks_per_chunk = 8  # type: ignore[misc]
+
+
+def test_records_are_keyword_only() -> None:
+    with pytest.raises(TypeError):
+        OffloadingCacheConfig(16, 4)  # type: ignore[call-arg]
+
+
+def bad(value: object) -> Any:
+    """``value``, hidden from mypy: the tests below pass wrong types on purpose."""
+    return value
+
+
+@pytest.mark.parametrize(
+    ("build", "pattern"),
+    [
+        (lambda: OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=0),
+         r"OffloadingCacheConfig\.blocks_per_chunk must be >= 1 .*got 0"),
+        (lambda: OffloadingCacheConfig(tokens_per_hash=bad("16"), blocks_per_chunk=1),
+         r"OffloadingCacheConfig\.tokens_per_hash must be an integer .*got '16' of type str"),
+        (lambda: OffloadingGroupConfig(tokens_per_block=True, layer_names=("a",)),
+         r"tokens_per_block must be an integer .*got True of type bool"),
+        (lambda: OffloadingGroupConfig(tokens_per_block=16, layer_names=bad(("a", 3))),
+         r"layer_names\[1\] must be a str, got 3"),
+        (lambda: OffloadingGroupConfig(tokens_per_block=16, layer_names=("a", "")),
+         r"layer_names holds an empty name"),
+        (lambda: OffloadingGroupConfig(tokens_per_block=16, layer_names=bad("ab")),
+         r"layer_names must be a tuple of str, got str"),
+        (lambda: OffloadingModelConfig(name="m", dtype=""),
+         r"OffloadingModelConfig\.dtype must be a non-empty string, got ''"),
+        (lambda: OffloadingParallelConfig(rank=-1, world_size=1, tp_size=1, pp_size=1,
+                                          pcp_size=1, dcp_size=1, data_parallel_index=0,
+                                          is_parallelism_agnostic=False),
+         r"rank must be >= 0 .*got -1"),
+        (lambda: OffloadingParallelConfig(rank=0, world_size=1, tp_size=0, pp_size=1,
+                                          pcp_size=1, dcp_size=1, data_parallel_index=0,
+                                          is_parallelism_agnostic=False),
+         r"tp_size must be >= 1 .*got 0"),
+        (lambda: OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1,
+                                          pcp_size=1, dcp_size=1, data_parallel_index=0,
+                                          is_parallelism_agnostic=bad(1)),
+         r"is_parallelism_agnostic must be a bool, got 1"),
+        (lambda: OffloadingConfig(groups=(), worker_kv_bytes_per_block=0, engine_id="e",
+                                  model=OffloadingModelConfig(name="m", dtype="f"),
+                                  cache=bad({"tokens_per_hash": 1})),
+         r"OffloadingConfig\.cache must be an OffloadingCacheConfig, got dict"),
+        (lambda: OffloadingConfig(groups=(), worker_kv_bytes_per_block=0, engine_id="e",
+                                  extra_config=bad({1: "x"}),
+                                  model=OffloadingModelConfig(name="m", dtype="f"),
+                                  cache=OffloadingCacheConfig(tokens_per_hash=1,
+                                                              blocks_per_chunk=1)),
+         r"extra_config must be a mapping with string keys, got \{1: 'x'\}"),
+    ],
+)  # fmt: skip
+def test_direct_construction_rejects(build: Any, pattern: str) -> None:
+    with pytest.raises(ConfigError, match=pattern):
+        build()
+
+
+def test_config_error_is_value_error() -> None:
+    with pytest.raises(ValueError, match=re.escape("blocks_per_chunk")):
+        OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=-1)

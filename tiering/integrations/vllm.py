@@ -1,0 +1,448 @@
+"""Build an `OffloadingConfig` from a live vLLM configuration, without importing vLLM.
+
+`build_offloading_config` follows vLLM's function of that name
+(``vllm/distributed/kv_transfer/kv_connector/v1/offloading/config.py``) and the
+helpers it calls (``resolve_kv_cache_block_sizes`` for the prefix-hash block
+size, the offloading scheduler's ``get_sliding_window_size_in_chunks``). Where
+vLLM asserts, this module raises a `ConfigError` that says what was wrong, the
+value, and what would be right.
+
+Duck typing
+-----------
+Any objects with the attributes below work; a missing required attribute is a
+`ConfigError` naming its path (e.g. ``vllm_config.parallel_config.rank``).
+
+``vllm_config``
+    ``kv_transfer_config.{engine_id, kv_connector_extra_config}``;
+    ``parallel_config.{rank, world_size, tensor_parallel_size,
+    pipeline_parallel_size, decode_context_parallel_size, data_parallel_index}``;
+    ``cache_config.{block_size, cache_dtype}``;
+    ``model_config.{model, dtype, max_model_len}``.
+    Optional, with vLLM's meaning when absent: ``kv_events_config`` (None: no
+    events), ``use_v2_model_runner`` (False),
+    ``parallel_config.prefill_context_parallel_size`` (1),
+    ``cache_config.hash_block_size`` (None: the GCD of the group block sizes).
+``kv_cache_config``
+    ``num_blocks``, ``kv_cache_tensors[i].size`` (and ``block_stride``, 0 when
+    absent: vLLM releases before packed layouts have none),
+    ``kv_cache_groups[i].{layer_names, kv_cache_spec}``, and
+    ``kv_cache_spec.block_size``.
+
+KV-cache spec kinds are recognised by the class names in the spec's MRO, as
+vLLM names them, so a subclass of a vLLM spec is that kind:
+
+- ``SlidingWindowSpec`` / ``SlidingWindowMLASpec``: a sliding window of
+  ``spec.sliding_window`` tokens;
+- ``MambaSpec``: one state, a window of one chunk;
+- ``FullAttentionSpec`` (``MLAAttentionSpec`` is one): no window;
+- ``UniformTypeKVCacheSpecs``: the kind of its first ``kv_cache_specs`` value.
+
+Any other kind (chunked-local, cross-attention, ...) is refused, as in vLLM.
+For ``is_parallelism_agnostic`` the single group's spec must also have
+``num_kv_heads`` and ``model_config`` a ``get_total_num_kv_heads()`` method.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from tiering.config import (
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+from tiering.errors import ConfigError
+
+__all__ = ["build_offloading_config", "is_kv_cache_tensor_packed"]
+
+_ABSENT: Any = object()
+
+_SLIDING_WINDOW_SPECS = frozenset({"SlidingWindowSpec", "SlidingWindowMLASpec"})
+_MAMBA_SPEC = "MambaSpec"
+_FULL_ATTENTION_SPEC = "FullAttentionSpec"
+_MLA_SPEC = "MLAAttentionSpec"
+_UNIFORM_SPECS = "UniformTypeKVCacheSpecs"
+_KNOWN_SPECS = "FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec or MambaSpec"
+
+
+# --- reading duck-typed objects --------------------------------------------------------
+
+
+def _get(obj: object, path: str, name: str, default: Any = _ABSENT) -> Any:
+    """``obj.name``; a `ConfigError` naming ``path.name`` when it is missing and required."""
+    value = getattr(obj, name, default)
+    if value is _ABSENT:
+        raise ConfigError(
+            f"{path}.{name} is missing; build_offloading_config reads it "
+            f"(the object is a {type(obj).__name__})"
+        )
+    return value
+
+
+def _as_int(value: object, where: str, minimum: int) -> int:
+    """``value`` as an int ``>= minimum`` (ints and numpy integers; not bools or floats)."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        number = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise ConfigError(
+            f"{where} must be an integer, got {value!r} of type {type(value).__name__}"
+        ) from None
+    if number < minimum:
+        raise ConfigError(f"{where} must be >= {minimum}, got {number}")
+    return number
+
+
+def _get_int(obj: object, path: str, name: str, minimum: int, default: Any = _ABSENT) -> int:
+    return _as_int(_get(obj, path, name, default), f"{path}.{name}", minimum)
+
+
+def _class_names(spec: object) -> frozenset[str]:
+    return frozenset(cls.__name__ for cls in type(spec).__mro__)
+
+
+def _layer_kind_spec(spec: object, path: str) -> object:
+    """The spec that says what kind of layers a group holds (unwraps uniform-type specs)."""
+    if _UNIFORM_SPECS not in _class_names(spec):
+        return spec
+    inner = _get(spec, path, "kv_cache_specs")
+    if not isinstance(inner, Mapping) or not inner:
+        raise ConfigError(f"{path}.kv_cache_specs must be a non-empty mapping, got {inner!r}")
+    return next(iter(inner.values()))
+
+
+def is_kv_cache_tensor_packed(kv_cache_tensor: object) -> bool:
+    """Whether a vLLM ``KVCacheTensor`` uses a packed layout (a non-zero ``block_stride``).
+
+    A tensor without ``block_stride`` (vLLM releases before packed layouts)
+    or with ``block_stride`` None is not packed. A negative or non-integer
+    stride is a `ConfigError`.
+    """
+    stride = getattr(kv_cache_tensor, "block_stride", 0)
+    if stride is None:
+        return False
+    return _as_int(stride, "kv_cache_tensor.block_stride", 0) != 0
+
+
+# --- the pieces of the config ----------------------------------------------------------
+
+
+def _tokens_per_hash(
+    vllm_config: object, block_sizes: Sequence[int], block_kinds: Sequence[frozenset[str]]
+) -> int:
+    """The prefix-hash block size, as vLLM's ``resolve_kv_cache_block_sizes`` resolves it.
+
+    An offloading connector is always configured here, so block hashing is active.
+    """
+    cache_config = _get(vllm_config, "vllm_config", "cache_config")
+    cache_path = "vllm_config.cache_config"
+    parallel_config = _get(vllm_config, "vllm_config", "parallel_config")
+    parallel_path = "vllm_config.parallel_config"
+    dcp = _get_int(parallel_config, parallel_path, "decode_context_parallel_size", 1)
+    pcp = _get_int(parallel_config, parallel_path, "prefill_context_parallel_size", 1, 1)
+    cache_block_size = _get_int(cache_config, cache_path, "block_size", 1)
+    if len(block_sizes) <= 1:
+        return cache_block_size * dcp * pcp
+    if dcp != 1 or pcp != 1:
+        raise ConfigError(
+            f"the model has {len(block_sizes)} KV-cache groups (a hybrid model) and runs with "
+            f"decode_context_parallel_size={dcp}, prefill_context_parallel_size={pcp}; "
+            "hybrid KV-cache groups do not support context parallelism: set both to 1"
+        )
+    if any(
+        _MAMBA_SPEC in kinds and size != cache_block_size
+        for size, kinds in zip(block_sizes, block_kinds, strict=True)
+    ):
+        # Mamba groups outside "align" mode break divisibility: hash whole scheduler blocks.
+        return math.lcm(*block_sizes)
+    requested = _get(cache_config, cache_path, "hash_block_size", None)
+    if requested is None:
+        return math.gcd(*block_sizes)
+    hash_block_size = _as_int(requested, f"{cache_path}.hash_block_size", 1)
+    if any(size % hash_block_size for size in block_sizes):
+        raise ConfigError(
+            f"{cache_path}.hash_block_size={hash_block_size} does not divide every KV-cache "
+            f"group block size {list(block_sizes)}; use a common divisor, e.g. their GCD "
+            f"{math.gcd(*block_sizes)}, or leave it unset"
+        )
+    return hash_block_size
+
+
+def _extra_int(extra: Mapping[str, Any], key: str) -> int | None:
+    """``extra[key]`` as a positive int (vLLM accepts ints and integer strings), or None."""
+    value = extra.get(key)
+    if value is None:
+        return None
+    where = f"kv_connector_extra_config[{key!r}]"
+    if isinstance(value, str):
+        try:
+            value = int(value.strip())
+        except ValueError:
+            raise ConfigError(f"{where} must be a positive integer, got {value!r}") from None
+    return _as_int(value, where, 1)
+
+
+def _blocks_per_chunk(extra: Mapping[str, Any], tokens_per_block: Sequence[int]) -> int:
+    """GPU blocks per chunk, from ``block_size`` (tokens per chunk) or ``blocks_per_chunk``."""
+    tokens_per_chunk = _extra_int(extra, "block_size")
+    blocks_per_chunk = _extra_int(extra, "blocks_per_chunk")
+    if tokens_per_chunk is not None and blocks_per_chunk is not None:
+        raise ConfigError(
+            f"kv_connector_extra_config sets both 'block_size' ({tokens_per_chunk} tokens per "
+            f"chunk) and 'blocks_per_chunk' ({blocks_per_chunk}); set only one of them"
+        )
+    if blocks_per_chunk is not None:
+        return blocks_per_chunk
+    if tokens_per_chunk is None:
+        return 1
+    distinct = sorted(set(tokens_per_block))
+    if len(distinct) != 1:
+        raise ConfigError(
+            f"kv_connector_extra_config['block_size']={tokens_per_chunk} needs every KV-cache "
+            f"group to have the same block size, but the groups have tokens_per_block "
+            f"{list(tokens_per_block)}; remove 'block_size' (or use 'blocks_per_chunk') for "
+            "this model"
+        )
+    block = distinct[0]
+    if tokens_per_chunk % block:
+        lower = max(block, tokens_per_chunk // block * block)
+        raise ConfigError(
+            f"kv_connector_extra_config['block_size']={tokens_per_chunk} is not a multiple of "
+            f"the GPU block size {block} tokens; use a multiple such as {lower} or "
+            f"{lower + block}"
+        )
+    return tokens_per_chunk // block
+
+
+def _window_in_chunks(spec: object, path: str, tokens_per_chunk: int) -> int | None:
+    """Chunks a request needs in a group of this spec; None for full attention."""
+    kind_spec = _layer_kind_spec(spec, path)
+    kinds = _class_names(kind_spec)
+    if kinds & _SLIDING_WINDOW_SPECS:
+        window = _get_int(kind_spec, path, "sliding_window", 1)
+        return -(-window // tokens_per_chunk)
+    if _MAMBA_SPEC in kinds:
+        return 1  # a Mamba layer depends on one state: its last chunk
+    if _FULL_ATTENTION_SPEC in kinds:
+        return None
+    raise ConfigError(
+        f"{path} is a {type(kind_spec).__name__}; offloading supports KV-cache groups of "
+        f"{_KNOWN_SPECS} specs"
+    )
+
+
+def _worker_kv_bytes_per_block(kv_cache_config: object) -> int:
+    path = "kv_cache_config"
+    num_blocks = _get_int(kv_cache_config, path, "num_blocks", 0)
+    if num_blocks == 0:
+        return 0  # the scheduler side does not know the GPU layout
+    tensors = list(
+        _iterable(_get(kv_cache_config, path, "kv_cache_tensors"), path, "kv_cache_tensors")
+    )
+    packed = [is_kv_cache_tensor_packed(tensor) for tensor in tensors]
+    is_packed = any(packed)
+    if is_packed and not all(packed):
+        raise ConfigError(
+            f"{path}.kv_cache_tensors mixes packed tensors (non-zero block_stride, indices "
+            f"{[i for i, p in enumerate(packed) if p]}) with unpacked ones (indices "
+            f"{[i for i, p in enumerate(packed) if not p]}); all must use one layout"
+        )
+    sizes = [
+        _get_int(tensor, f"{path}.kv_cache_tensors[{index}]", "size", 0)
+        for index, tensor in enumerate(tensors)
+    ]
+    # Packed tensors are views of one allocation: the first one's size is the whole.
+    total = sizes[0] if is_packed else sum(sizes)
+    return total // num_blocks
+
+
+def _iterable(value: object, path: str, name: str) -> Iterable[Any]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise ConfigError(f"{path}.{name} must be a sequence, got {value!r}")
+    return value
+
+
+def _is_parallelism_agnostic(
+    vllm_config: object, specs: Sequence[object], dcp: int, pcp: int, tp: int
+) -> bool:
+    """True only for one full-attention, non-MLA group whose heads are sharded, not replicated.
+
+    Also false for the V2 model runner (its layout is not known to be agnostic),
+    under context parallelism (tokens are sharded across ranks) and with
+    per-token-head KV quantization (scales ride with the layout).
+    """
+    if _get(vllm_config, "vllm_config", "use_v2_model_runner", False):
+        return False
+    if len(specs) != 1 or dcp != 1 or pcp != 1:
+        return False
+    spec = specs[0]
+    kinds = _class_names(spec)
+    if _FULL_ATTENTION_SPEC not in kinds or _MLA_SPEC in kinds:
+        return False
+    quant_mode = getattr(spec, "kv_quant_mode", None)
+    if getattr(quant_mode, "is_per_token_head", False):
+        return False
+    path = "kv_cache_config.kv_cache_groups[0].kv_cache_spec"
+    heads = _get_int(spec, path, "num_kv_heads", 1)
+    model_config = _get(vllm_config, "vllm_config", "model_config")
+    total_heads = _get(model_config, "vllm_config.model_config", "get_total_num_kv_heads")
+    if not callable(total_heads):
+        raise ConfigError("vllm_config.model_config.get_total_num_kv_heads must be a method")
+    total = _as_int(total_heads(), "vllm_config.model_config.get_total_num_kv_heads()", 1)
+    return heads * tp == total
+
+
+def _cache_dtype(vllm_config: object) -> str:
+    cache_config = _get(vllm_config, "vllm_config", "cache_config")
+    dtype = _get(cache_config, "vllm_config.cache_config", "cache_dtype")
+    if dtype == "auto":
+        model_config = _get(vllm_config, "vllm_config", "model_config")
+        dtype = _get(model_config, "vllm_config.model_config", "dtype")
+    return str(dtype).removeprefix("torch.")
+
+
+# --- the entry point --------------------------------------------------------------------
+
+
+def build_offloading_config(vllm_config: object, kv_cache_config: object) -> OffloadingConfig:
+    """The `OffloadingConfig` vLLM builds for this engine, from duck-typed vLLM objects.
+
+    Guarantees, with vLLM's semantics:
+
+    - one group per KV-cache group, in order; ``tokens_per_block`` is the
+      group's block size × decode × prefill context-parallel size;
+    - every ``tokens_per_block`` is a multiple of ``cache.tokens_per_hash``;
+    - ``cache.blocks_per_chunk`` comes from ``kv_connector_extra_config``:
+      ``block_size`` (tokens per chunk; every group must have the same block
+      size, which must divide it) or ``blocks_per_chunk``; 1 by default;
+    - ``sliding_window_size_in_chunks`` is ceil(window / tokens per chunk) for
+      a sliding-window group, 1 for a Mamba group, None for full attention;
+    - ``worker_kv_bytes_per_block`` is the first tensor's size when the KV
+      tensors are packed (all must be), else the sum of their sizes, divided
+      by ``num_blocks``; 0 when ``num_blocks`` is 0 (the scheduler side);
+    - ``parallel.is_parallelism_agnostic`` as `_is_parallelism_agnostic` says.
+
+    Every problem, including a missing attribute, is a `ConfigError`.
+    """
+    transfer = _get(vllm_config, "vllm_config", "kv_transfer_config")
+    if transfer is None:
+        raise ConfigError(
+            "vllm_config.kv_transfer_config is None; offloading needs a KV transfer config "
+            "(vLLM's --kv-transfer-config naming an offloading connector)"
+        )
+    transfer_path = "vllm_config.kv_transfer_config"
+    extra = _get(transfer, transfer_path, "kv_connector_extra_config")
+    if extra is None:
+        extra = {}
+    if not isinstance(extra, Mapping) or not all(isinstance(key, str) for key in extra):
+        raise ConfigError(
+            f"{transfer_path}.kv_connector_extra_config must be a mapping with string keys, "
+            f"got {extra!r}"
+        )
+    engine_id = _get(transfer, transfer_path, "engine_id")
+    if not isinstance(engine_id, str) or not engine_id:
+        raise ConfigError(
+            f"{transfer_path}.engine_id must be a non-empty string, got {engine_id!r}; "
+            "vLLM sets one per data-parallel rank (or pass --kv-transfer-config with engine_id)"
+        )
+
+    parallel_config = _get(vllm_config, "vllm_config", "parallel_config")
+    parallel_path = "vllm_config.parallel_config"
+    dcp = _get_int(parallel_config, parallel_path, "decode_context_parallel_size", 1)
+    pcp = _get_int(parallel_config, parallel_path, "prefill_context_parallel_size", 1, 1)
+    tp = _get_int(parallel_config, parallel_path, "tensor_parallel_size", 1)
+
+    groups_path = "kv_cache_config.kv_cache_groups"
+    raw_groups = list(
+        _iterable(
+            _get(kv_cache_config, "kv_cache_config", "kv_cache_groups"),
+            "kv_cache_config",
+            "kv_cache_groups",
+        )
+    )
+    specs: list[object] = []
+    block_sizes: list[int] = []
+    layer_names: list[tuple[str, ...]] = []
+    for index, group in enumerate(raw_groups):
+        path = f"{groups_path}[{index}]"
+        spec = _get(group, path, "kv_cache_spec")
+        specs.append(spec)
+        block_sizes.append(_get_int(spec, f"{path}.kv_cache_spec", "block_size", 1))
+        names = tuple(_iterable(_get(group, path, "layer_names"), path, "layer_names"))
+        if not all(isinstance(name, str) for name in names):
+            raise ConfigError(f"{path}.layer_names must hold strings, got {list(names)!r}")
+        layer_names.append(names)
+
+    tokens_per_block = [size * dcp * pcp for size in block_sizes]
+    tokens_per_hash = _tokens_per_hash(
+        vllm_config,
+        block_sizes,
+        [
+            _class_names(_layer_kind_spec(spec, f"{groups_path}[{i}].kv_cache_spec"))
+            for i, spec in enumerate(specs)
+        ],
+    )
+    for index, tokens in enumerate(tokens_per_block):
+        if tokens % tokens_per_hash:
+            raise ConfigError(
+                f"KV-cache group {index} has tokens_per_block={tokens} (block size "
+                f"{block_sizes[index]} x dcp {dcp} x pcp {pcp}), which is not a multiple of "
+                f"tokens_per_hash={tokens_per_hash}, the prefix-hash block size. Hybrid models "
+                "(e.g. Mamba + attention) need prefix caching enabled (--enable-prefix-caching) "
+                "so that every group's block size aligns with the hash block size"
+            )
+
+    blocks_per_chunk = _blocks_per_chunk(extra, tokens_per_block)
+    groups = tuple(
+        OffloadingGroupConfig(
+            tokens_per_block=tokens,
+            layer_names=names,
+            sliding_window_size_in_chunks=_window_in_chunks(
+                spec, f"{groups_path}[{index}].kv_cache_spec", tokens * blocks_per_chunk
+            ),
+        )
+        for index, (spec, tokens, names) in enumerate(
+            zip(specs, tokens_per_block, layer_names, strict=True)
+        )
+    )
+
+    events_config = _get(vllm_config, "vllm_config", "kv_events_config", None)
+    enable_events = events_config is not None and bool(
+        _get(events_config, "vllm_config.kv_events_config", "enable_kv_cache_events")
+    )
+    model_config = _get(vllm_config, "vllm_config", "model_config")
+    model_path = "vllm_config.model_config"
+    model_name = _get(model_config, model_path, "model")
+    if not isinstance(model_name, str) or not model_name:
+        raise ConfigError(f"{model_path}.model must be a non-empty string, got {model_name!r}")
+    return OffloadingConfig(
+        groups=groups,
+        worker_kv_bytes_per_block=_worker_kv_bytes_per_block(kv_cache_config),
+        enable_kv_cache_events=enable_events,
+        extra_config=dict(extra),
+        engine_id=engine_id,
+        model=OffloadingModelConfig(
+            name=model_name,
+            dtype=_cache_dtype(vllm_config),
+            max_model_len=_get_int(model_config, model_path, "max_model_len", 0),
+        ),
+        cache=OffloadingCacheConfig(
+            tokens_per_hash=tokens_per_hash, blocks_per_chunk=blocks_per_chunk
+        ),
+        parallel=OffloadingParallelConfig(
+            rank=_get_int(parallel_config, parallel_path, "rank", 0),
+            world_size=_get_int(parallel_config, parallel_path, "world_size", 1),
+            tp_size=tp,
+            pp_size=_get_int(parallel_config, parallel_path, "pipeline_parallel_size", 1),
+            pcp_size=pcp,
+            dcp_size=dcp,
+            data_parallel_index=_get_int(parallel_config, parallel_path, "data_parallel_index", 0),
+            is_parallelism_agnostic=_is_parallelism_agnostic(vllm_config, specs, dcp, pcp, tp),
+        ),
+    )
