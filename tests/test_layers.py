@@ -61,9 +61,9 @@ def module_name(path: Path) -> str:
 def layer_of(name: str) -> float:
     best = None
     for prefix, layer in LAYERS.items():
-        if name == prefix or (prefix and name.startswith(prefix + ".")):
-            if best is None or len(prefix) > len(best[0]):
-                best = (prefix, layer)
+        matches = name == prefix or (prefix and name.startswith(prefix + "."))
+        if matches and (best is None or len(prefix) > len(best[0])):
+            best = (prefix, layer)
     if best is None:
         raise AssertionError(
             f"tiering.{name} is in no layer of tests/test_layers.py: add it to LAYERS"
