@@ -44,7 +44,11 @@ class SimulationResult(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def requests_to_keys(requests: Iterable[_HasHashIds]) -> list[list[OffloadKey]]:
-    """The chunk keys of each request: one key per hash id, equal ids giving one shared key."""
+    """The chunk keys of each request: one key per hash id, equal ids giving one shared key.
+
+    Hash ids are unsigned 64-bit integers (the trace reader checks it); a key is
+    the id's 8 big-endian bytes and group 0.
+    """
     cache: dict[int, OffloadKey] = {}
     out = []
     for request in requests:
@@ -52,7 +56,7 @@ def requests_to_keys(requests: Iterable[_HasHashIds]) -> list[list[OffloadKey]]:
         for hash_id in request.hash_ids:
             key = cache.get(hash_id)
             if key is None:
-                key = cache[hash_id] = make_offload_key(hash_id.to_bytes(8, "big", signed=True))
+                key = cache[hash_id] = make_offload_key(hash_id.to_bytes(8, "big"))
             keys.append(key)
         out.append(keys)
     return out

@@ -137,8 +137,9 @@ def test_complete_load_with_job_is_idempotent_and_keeps_other_pins(policy: str) 
     assert (s.pinned, s.evictable) == (1, 1)
     m.complete_load(job="b")
     assert m.statistics().pinned == 0
+    m.prepare_load(keys(1), job="c")
     with pytest.raises(ChunkStateError, match="already holds pins"):
-        m.prepare_load(keys(1), job="c") and m.prepare_load(keys(1), job="c")
+        m.prepare_load(keys(1), job="c")
 
 
 def test_pins_are_counted_and_overrelease_raises(policy: str) -> None:
@@ -287,3 +288,73 @@ def test_lru_evicts_tail_of_prefix_before_head() -> None:
     out = m.prepare_store(keys(20, 21))
     assert out is not None
     assert out.evicted_keys == tuple(keys(11, 10))
+
+
+def test_mixing_job_and_key_unpins_raises_instead_of_corrupting(policy: str) -> None:
+    m = CPUOffloadingManager(2, policy)
+    stored(m, 1)
+    m.prepare_load(keys(1), job="a")
+    m.complete_load(keys(1))  # takes the job's pin
+    with pytest.raises(ChunkStateError, match="not pinned"):
+        m.complete_load(job="a")
+    s = m.statistics()
+    assert (s.pinned, s.evictable, s.writing) == (0, 1, 0)
+    assert m.lookup(k(1)) is LookupResult.HIT
+    stored(m, 2, 3)  # evicts one, counts still agree with the policy
+    assert m.statistics().used == len(m.policy) == 2
+
+
+def test_iterators_are_taken_whole(policy: str) -> None:
+    m = CPUOffloadingManager(2, policy)
+    stored(m, 1)
+    spec = m.prepare_load(iter(keys(1)), job="j")  # type: ignore[arg-type]
+    assert spec.chunk_ids.tolist() == [0]
+    assert m.statistics().pinned == 1
+    assert m.prepare_store(keys(2, 3)) is None  # 1 is pinned: no room for two
+    m.complete_load(iter(keys(1)))  # type: ignore[arg-type]
+    assert m.statistics().pinned == 0
+
+
+def test_store_jobs_complete_once_even_after_the_key_is_stored_again(policy: str) -> None:
+    m = CPUOffloadingManager(4, policy, enable_events=True)
+    assert m.prepare_store(keys(1), job="first") is not None
+    m.complete_store(job="first", success=False)
+    again = m.prepare_store(keys(1), job="second")
+    assert again is not None
+    m.complete_store(job="first", success=True)  # late duplicate: ignored
+    assert m.lookup(k(1)) is LookupResult.HIT_PENDING
+    assert m.take_events() == []
+    m.complete_store(job="second")
+    assert m.lookup(k(1)) is LookupResult.HIT
+    m.prepare_store(keys(2), job="third")
+    with pytest.raises(ChunkStateError, match="already in flight"):
+        m.prepare_store(keys(3), job="third")
+
+
+def test_a_policy_instance_must_be_fresh() -> None:
+    from tiering.policies import LRUPolicy
+
+    used = LRUPolicy()
+    used.insert(keys(1))
+    with pytest.raises(ConfigError, match="already tracks 1 keys"):
+        CPUOffloadingManager(4, used)
+    with pytest.raises(ConfigError, match="CachePolicy or a policy name"):
+        CPUOffloadingManager(4, object())  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="max_pending_events"):
+        CPUOffloadingManager(4, max_pending_events="5")  # type: ignore[arg-type]
+
+
+def test_recency_is_right_when_a_store_lands_after_the_touch() -> None:
+    # An async server finishes a request before its stores land.
+    m = CPUOffloadingManager(3, "lru")
+    stored(m, 1)
+    m.prepare_load(keys(1), job="load")
+    pending = m.prepare_store(keys(2))
+    assert pending is not None
+    m.complete_load(job="load")
+    m.touch(keys(1, 2))  # head 1, tail 2 (still being written)
+    m.complete_store(keys(2))
+    stored(m, 3)
+    out = m.prepare_store(keys(4))
+    assert out is not None
+    assert out.evicted_keys == (k(2),)  # the tail goes first; the head 1 stays

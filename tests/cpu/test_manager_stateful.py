@@ -40,6 +40,8 @@ class ManagerMachine(RuleBasedStateMachine):
         self.state: dict[OffloadKey, str] = {}
         self.pins: dict[OffloadKey, int] = {}
         self.jobs: dict[int, list[OffloadKey]] = {}
+        self.anonymous: list[list[OffloadKey]] = []  # loads pinned without a job id
+        self.store_jobs: dict[int, list[OffloadKey]] = {}
         self.job_ids = itertools.count()
         self.public: set[OffloadKey] = set()  # what events say the tier holds
         self.evictions = 0
@@ -52,12 +54,15 @@ class ManagerMachine(RuleBasedStateMachine):
     def evictable(self) -> set[OffloadKey]:
         return {k for k, s in self.state.items() if s == READY and not self.pins.get(k)}
 
-    @rule(keys=key_lists)
-    def prepare_store(self, keys: list[OffloadKey]) -> None:
+    @rule(keys=key_lists, with_job=st.booleans())
+    def prepare_store(self, keys: list[OffloadKey], with_job: bool) -> None:
         new = [k for k in dict.fromkeys(keys) if k not in self.state]
         need = len(new) - (self.capacity - len(self.state))
         allowed = self.evictable() - set(keys)
-        out = self.manager.prepare_store(keys)
+        job = next(self.job_ids) if with_job else None
+        out = self.manager.prepare_store(keys, job=job)
+        if out is not None and job is not None:
+            self.store_jobs[job] = new
         if need > len(allowed):
             assert out is None
             return
@@ -83,12 +88,30 @@ class ManagerMachine(RuleBasedStateMachine):
                 else:
                     del self.state[k]
 
-    @rule(keys=key_lists)
-    def prepare_load(self, keys: list[OffloadKey]) -> None:
+    @precondition(lambda self: bool(self.store_jobs))
+    @rule(data=st.data(), success=st.booleans(), twice=st.booleans())
+    def complete_store_job(self, data: st.DataObject, success: bool, twice: bool) -> None:
+        job = data.draw(st.sampled_from(sorted(self.store_jobs)))
+        self.manager.complete_store(job=job, success=success)
+        if twice:
+            self.manager.complete_store(job=job, success=not success)  # idempotent
+        for k in self.store_jobs.pop(job):
+            if self.state.get(k) == WRITING:
+                if success:
+                    self.state[k] = READY
+                else:
+                    del self.state[k]
+
+    @rule(keys=key_lists, anonymous=st.booleans())
+    def prepare_load(self, keys: list[OffloadKey], anonymous: bool) -> None:
         job = next(self.job_ids)
         if all(self.state.get(k) == READY for k in keys):
-            self.manager.prepare_load(keys, job=job)
-            self.jobs[job] = keys
+            if anonymous:
+                self.manager.prepare_load(iter(keys))  # type: ignore[arg-type]
+                self.anonymous.append(keys)
+            else:
+                self.manager.prepare_load(keys, job=job)
+                self.jobs[job] = keys
             for k in keys:
                 self.pins[k] = self.pins.get(k, 0) + 1
         else:
@@ -111,6 +134,48 @@ class ManagerMachine(RuleBasedStateMachine):
         for k in self.jobs.pop(job):
             self.pins[k] -= 1
 
+    @precondition(lambda self: bool(self.anonymous))
+    @rule(data=st.data())
+    def complete_anonymous_load(self, data: st.DataObject) -> None:
+        keys = self.anonymous.pop(data.draw(st.integers(0, len(self.anonymous) - 1)))
+        self.manager.complete_load(keys)
+        for k in keys:
+            self.pins[k] -= 1
+
+    @rule(keys=key_lists)
+    def over_release_is_refused(self, keys: list[OffloadKey]) -> None:
+        counts: dict[OffloadKey, int] = {}
+        for k in keys:
+            counts[k] = counts.get(k, 0) + 1
+        if all(self.state.get(k) == READY and self.pins.get(k, 0) >= c for k, c in counts.items()):
+            return  # a legal release; not what this rule is about
+        before = self.manager.statistics()
+        try:
+            self.manager.complete_load(keys)
+        except (UnknownKeyError, ChunkStateError):
+            pass
+        else:
+            raise AssertionError("unpinning more than was pinned must raise")
+        assert self.manager.statistics() == before
+
+    @rule(keys=key_lists)
+    def lookup_prefix(self, keys: list[OffloadKey]) -> None:
+        expected = 0
+        for k in keys:
+            if self.state.get(k) != READY:
+                break
+            expected += 1
+        assert self.manager.lookup_prefix(keys) == expected
+
+    @rule()
+    def force_reset(self) -> None:
+        self.manager.reset(force=True)
+        self.state.clear()
+        self.pins.clear()
+        self.jobs.clear()
+        self.anonymous.clear()
+        self.store_jobs.clear()
+
     @rule(keys=key_lists)
     def lookup_and_touch(self, keys: list[OffloadKey]) -> None:
         for k in keys:
@@ -131,6 +196,7 @@ class ManagerMachine(RuleBasedStateMachine):
         assert not in_flight
         self.state.clear()
         self.pins.clear()
+        self.store_jobs.clear()
 
     @invariant()
     def events_tell_what_is_ready(self) -> None:
@@ -164,7 +230,8 @@ class ManagerMachine(RuleBasedStateMachine):
         assert (s.used, s.writing, s.pinned) == (len(self.state), writing, pinned)
         assert s.evictable == len(self.evictable())
         assert s.free == self.capacity - s.used
-        assert s.ready == s.used - s.writing == len(m.policy)
+        assert s.ready == s.used - s.writing
+        assert s.used == len(m.policy)
         assert s.evictions_total == self.evictions
         for k, c in m._chunks.items():
             expected = -1 if self.state[k] == WRITING else self.pins.get(k, 0)

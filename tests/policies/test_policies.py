@@ -128,3 +128,58 @@ def test_arc_ghost_lists_are_bounded() -> None:
     t1, t2, b1, b2 = (len(x) for x in (arc._t1, arc._t2, arc._b1, arc._b2))
     assert t1 + b1 <= 3
     assert t1 + t2 + b1 + b2 <= 6
+
+
+def test_insert_alone_puts_the_tail_first(policy: CachePolicy) -> None:
+    policy.insert(keys(1, 2, 3))
+    assert policy.evict(2, NONE) == keys(3, 2)
+
+
+def test_arc_adapts_by_the_ratio_of_ghost_list_sizes() -> None:
+    arc = ARCPolicy(8)
+    arc.insert(keys(1, 2, 3, 4, 5, 6))
+    arc.touch(keys(1, 2, 3, 4, 5, 6))  # the storing request
+    arc.touch(keys(1, 2, 3, 4, 5, 6))  # a second one: all six frequent, in T2
+    arc.insert(keys(7, 8))
+    # The keys just admitted do not count towards |T1|: with p = 0, T2 gives.
+    assert arc.evict(5, NONE) == keys(6, 5, 4, 3, 2)
+    assert arc.evict(1, NONE) == keys(8)
+    assert "T1: 1, T2: 1, B1: 1, B2: 5" in repr(arc)
+    arc.insert(keys(8))  # a B1 hit: p grows by |B2| / |B1| = 5
+    assert arc.target_t1 == 5
+    arc.insert(keys(6))  # a B2 hit: p falls by max(|B1| / |B2|, 1) = 1
+    assert arc.target_t1 == 4
+    assert "T2: 3" in repr(arc)  # ghost hits are re-references: both went to T2
+
+
+def test_arc_target_is_capped_at_capacity() -> None:
+    arc = ARCPolicy(2)
+    for _ in range(5):
+        arc.insert(keys(1, 2))
+        assert arc.evict(2, NONE) is not None
+        arc.insert(keys(1, 2))  # B1 hits
+        assert arc.evict(2, NONE) is not None
+    assert arc.target_t1 <= 2
+
+
+def test_arc_lists_stay_bounded_with_frequency_and_ghosts() -> None:
+    import random
+
+    rng = random.Random(7)
+    arc = ARCPolicy(5)
+    for _ in range(2000):
+        key = keys(rng.randrange(30))
+        if len(arc) == 5 and key[0] not in arc._t1 and key[0] not in arc._t2:
+            assert arc.evict(1, NONE) is not None
+        if key[0] in arc._t1 or key[0] in arc._t2:
+            arc.touch(key)
+        else:
+            arc.insert(key)
+            arc.touch(key)
+        t1, t2, b1, b2 = (len(x) for x in (arc._t1, arc._t2, arc._b1, arc._b2))
+        assert t1 + t2 <= 5
+        assert t1 + b1 <= 5
+        assert t1 + t2 + b1 + b2 <= 10
+        assert 0 <= arc.target_t1 <= 5
+    assert len(arc._t2) > 0
+    assert len(arc._b2) > 0

@@ -237,3 +237,18 @@ def test_an_os_error_on_open_is_named(tmp_path: Path, monkeypatch: pytest.Monkey
     with pytest.raises(WorkloadError, match="Permission denied") as info:
         read_trace(path)
     assert str(path) in str(info.value)
+
+
+def test_hash_ids_must_fit_in_64_bits(tmp_path: Path) -> None:
+    path = tmp_path / "big.jsonl"
+    line = '{"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [%d]}\n'
+    path.write_text(line % (2**64 - 1) + line % 2**64)
+    assert read_trace(path, limit=1)[0].hash_ids == (2**64 - 1,)
+    with pytest.raises(WorkloadError, match="line 2: hash id 18446744073709551616 does not fit"):
+        read_trace(path)
+
+
+def test_a_huge_limit_reads_everything(tmp_path: Path) -> None:
+    path = tmp_path / "one.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [1]}\n')
+    assert len(read_trace(path, limit=10**20)) == 1

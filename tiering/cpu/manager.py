@@ -127,7 +127,9 @@ class CPUOffloadingManager:
     ``policy`` is a `CachePolicy` or a policy name (``"lru"``, ``"arc"``).
     With ``enable_events``, stores, evictions and resets queue `ChunkEvent`
     records for `take_events`, at most ``max_pending_events`` of them: past
-    that the oldest are dropped and counted. Without it no event is built.
+    that the oldest are dropped and counted (a consumer that lost events may
+    then see a removal whose store it missed; ``events_dropped_total`` tells
+    it to resynchronise). Without it no event is built.
 
     Slots are allocated deterministically: never-used slots in increasing
     order first, then freed slots, most recently freed first.
@@ -143,17 +145,34 @@ class CPUOffloadingManager:
     ) -> None:
         if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
             raise ConfigError(f"num_chunks must be a positive integer, got {num_chunks!r}")
-        if max_pending_events < 1:
-            raise ConfigError(f"max_pending_events must be at least 1, got {max_pending_events}")
+        if (
+            isinstance(max_pending_events, bool)
+            or not isinstance(max_pending_events, int)
+            or max_pending_events < 1
+        ):
+            raise ConfigError(
+                f"max_pending_events must be a positive integer, got {max_pending_events!r}"
+            )
+        if isinstance(policy, str):
+            policy = create_policy(policy, num_chunks)
+        elif not isinstance(policy, CachePolicy):
+            raise ConfigError(f"policy must be a CachePolicy or a policy name, got {policy!r}")
+        elif len(policy):
+            raise ConfigError(
+                f"policy {policy!r} already tracks {len(policy)} keys; give each manager a new one"
+            )
         self._capacity = num_chunks
-        self._policy = create_policy(policy, num_chunks) if isinstance(policy, str) else policy
+        self._policy = policy
         self._chunks: dict[OffloadKey, _Chunk] = {}
         self._next_fresh = 0
         self._free: list[int] = []
         self._writing = 0
-        self._pinned: set[OffloadKey] = set()  # keys with pins > 0
+        self._pinned = 0  # chunks with pins > 0
+        # Keys no eviction may take: pinned or being written (kept for the policy's scans).
+        self._busy: set[OffloadKey] = set()
         self._evictable = 0
         self._loads: dict[Hashable, tuple[OffloadKey, ...]] = {}
+        self._store_jobs: dict[Hashable, tuple[OffloadKey, ...]] = {}
         self._enable_events = enable_events
         self._events: deque[ChunkEvent] = deque()
         self._max_events = max_pending_events
@@ -212,6 +231,7 @@ class CPUOffloadingManager:
         ``complete_load``. Passing a ``job`` id makes the completion idempotent:
         ``complete_load(job=...)`` then releases exactly this call's pins once.
         """
+        keys = tuple(keys)  # walked twice: an iterator must not pin nothing
         chunks = self._chunks
         slots = []
         for key in keys:
@@ -227,12 +247,13 @@ class CPUOffloadingManager:
         if job is not None:
             if job in self._loads:
                 raise ChunkStateError(f"load job {job!r} already holds pins; use a new job id")
-            self._loads[job] = tuple(keys)
+            self._loads[job] = keys
         for key in keys:
             chunk = chunks[key]
             if chunk.pins == 0:
                 self._evictable -= 1
-                self._pinned.add(key)
+                self._pinned += 1
+                self._busy.add(key)
             chunk.pins += 1
         self._loaded += len(slots)
         return CPULoadStoreSpec.from_valid_ids(slots)
@@ -244,107 +265,132 @@ class CPUOffloadingManager:
 
         With ``job``, releases that job's pins and ignores ``keys``; a job
         already completed (or never prepared) is a no-op, so completion is
-        idempotent. Without it, unpins each key once and raises
-        `ChunkStateError` for a key that is not pinned (unpinning more than was
-        pinned), before changing anything.
+        idempotent. Without it, unpins each key once. Either way, a key with
+        fewer pins than are being released (unpinning more than was pinned,
+        e.g. by mixing both ways for one load) raises `ChunkStateError`
+        before anything changes.
         """
         if job is not None:
-            held = self._loads.pop(job, None)
+            held = self._loads.get(job)
             if held is None:
                 return
             keys = held
         else:
-            chunks = self._chunks
-            need: dict[OffloadKey, int] = {}
-            for key in keys:
-                need[key] = need.get(key, 0) + 1
-            for key, count in need.items():
-                chunk = chunks.get(key)
-                if chunk is None:
-                    raise UnknownKeyError(f"cannot unpin chunk {key.hex()}: it is not in the tier")
-                if chunk.pins < count:
-                    if chunk.pins == _WRITING:
-                        state = "being written"
-                    else:
-                        state = f"pinned {chunk.pins}x" if chunk.pins else "not pinned"
-                    raise ChunkStateError(
-                        f"cannot unpin chunk {key.hex()} {count}x: it is {state}; "
-                        "each prepare_load is completed exactly once"
-                    )
+            keys = tuple(keys)
+        chunks = self._chunks
+        need: dict[OffloadKey, int] = {}
+        for key in keys:
+            need[key] = need.get(key, 0) + 1
+        for key, count in need.items():
+            chunk = chunks.get(key)
+            if chunk is None:
+                raise UnknownKeyError(f"cannot unpin chunk {key.hex()}: it is not in the tier")
+            if chunk.pins < count:
+                if chunk.pins == _WRITING:
+                    state = "being written"
+                else:
+                    state = f"pinned {chunk.pins}x" if chunk.pins else "not pinned"
+                raise ChunkStateError(
+                    f"cannot unpin chunk {key.hex()} {count}x: it is {state}; "
+                    "each prepare_load is completed exactly once"
+                )
+        if job is not None:
+            del self._loads[job]
         chunks = self._chunks
         for key in keys:
             chunk = chunks[key]
             chunk.pins -= 1
             if chunk.pins == 0:
-                self._pinned.discard(key)
+                self._pinned -= 1
+                self._busy.discard(key)
                 self._evictable += 1
 
     # -- stores ---------------------------------------------------------------
 
-    def prepare_store(self, keys: Iterable[OffloadKey]) -> PrepareStoreOutput | None:
+    def prepare_store(
+        self, keys: Iterable[OffloadKey], *, job: Hashable | None = None
+    ) -> PrepareStoreOutput | None:
         """Allocate slots for the keys not in the tier yet, evicting if needed.
 
         Keys already present (ready or writing) are skipped, as are repeats.
         Eviction is all or nothing and takes exactly the missing room; it never
         takes pinned or writing chunks nor any key of this call. Returns
         ``None`` (and changes nothing but the failure count) when the room
-        cannot be made.
+        cannot be made. The new keys join the policy now, in request order and
+        protected while they are written, so a request's recency is right
+        whenever its store lands. With a ``job`` id, ``complete_store(job=...)``
+        completes exactly this call's keys, once.
         """
         chunks = self._chunks
-        offered = dict.fromkeys(keys)
         new_keys: list[OffloadKey] = []
         offered_ready: list[OffloadKey] = []  # evictable chunks this call must not evict
-        for key in offered:
+        for key in dict.fromkeys(keys):
             chunk = chunks.get(key)
             if chunk is None:
                 new_keys.append(key)
             elif chunk.pins == 0:
                 offered_ready.append(key)
         need = len(new_keys) - (self._capacity - len(chunks))
+        if need > 0 and self._evictable - len(offered_ready) < need:
+            self._alloc_failures += 1
+            return None
+        if job is not None and job in self._store_jobs:
+            raise ChunkStateError(f"store job {job!r} is already in flight; use a new job id")
+        busy = self._busy
+        busy.update(new_keys)
+        self._writing += len(new_keys)
+        self._policy.insert(new_keys)
         evicted: list[OffloadKey] = []
+        free = self._free
         if need > 0:
-            if self._evictable - len(offered_ready) < need:
-                self._alloc_failures += 1
-                return None
-            protected = self._pinned.union(offered_ready) if offered_ready else self._pinned
-            victims = self._policy.evict(need, protected)
+            busy.update(offered_ready)  # protected for this eviction only
+            victims = self._policy.evict(need, busy)
+            busy.difference_update(offered_ready)
             if victims is None or len(victims) != need:
                 raise RuntimeError(  # the evictable count and the policy disagree: a bug
                     f"policy {self._policy!r} gave {victims!r} for {need} victims"
                 )
-            free = self._free
-            for key in victims:
-                free.append(chunks.pop(key).slot)
+            pop = chunks.pop
+            free.extend([pop(key).slot for key in victims])
             self._evictable -= need
             self._evictions += need
             evicted = victims
             if self._enable_events:
                 self._push_event(ChunksRemoved(keys=tuple(victims)))
-        slots = []
-        fresh_left = self._capacity - self._next_fresh
-        free = self._free
-        for key in new_keys:
-            if fresh_left:
-                slot = self._next_fresh
-                self._next_fresh += 1
-                fresh_left -= 1
-            else:
-                slot = free.pop()
+        # Never-used slots first, in order; then freed ones, most recently freed first.
+        fresh = min(len(new_keys), self._capacity - self._next_fresh)
+        slots = list(range(self._next_fresh, self._next_fresh + fresh))
+        self._next_fresh += fresh
+        reuse = len(new_keys) - fresh
+        if reuse:
+            slots += free[: -reuse - 1 : -1]
+            del free[-reuse:]
+        for key, slot in zip(new_keys, slots, strict=True):
             chunks[key] = _Chunk(slot)
-            slots.append(slot)
-        self._writing += len(new_keys)
+        stored = tuple(new_keys)
+        if job is not None:
+            self._store_jobs[job] = stored
         return PrepareStoreOutput(
-            keys_to_store=tuple(new_keys),
+            keys_to_store=stored,
             store_spec=CPULoadStoreSpec.from_valid_ids(slots),
             evicted_keys=tuple(evicted),
         )
 
-    def complete_store(self, keys: Iterable[OffloadKey], success: bool = True) -> None:
+    def complete_store(
+        self, keys: Iterable[OffloadKey] = (), success: bool = True, *, job: Hashable | None = None
+    ) -> None:
         """Mark the stores of ``keys`` landed (ready) or failed (slot freed, no event).
 
         Idempotent: keys not being written (already completed, never prepared,
-        or skipped by ``prepare_store``) are ignored.
+        or skipped by ``prepare_store``) are ignored. With ``job``, completes
+        that job's keys and ignores ``keys``; a job already completed is a
+        no-op, so a late duplicate cannot complete a later store of the same key.
         """
+        if job is not None:
+            held = self._store_jobs.pop(job, None)
+            if held is None:
+                return
+            keys = held
         chunks = self._chunks
         done: list[OffloadKey] = []
         for key in keys:
@@ -359,13 +405,14 @@ class CPUOffloadingManager:
         if not done:
             return
         self._writing -= len(done)
+        self._busy.difference_update(done)
         if success:
             self._evictable += len(done)
             self._stored += len(done)
-            self._policy.insert(done)
             if self._enable_events:
                 self._push_event(ChunksStored(keys=tuple(done)))
         else:
+            self._policy.remove(done)
             self._store_failed += len(done)
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
@@ -396,14 +443,16 @@ class CPUOffloadingManager:
         if not force and (self._writing or self._pinned):
             raise ChunkStateError(
                 f"cannot reset the tier while {self._writing} chunks are being written and "
-                f"{len(self._pinned)} are pinned; wait for the transfers or pass force=True"
+                f"{self._pinned} are pinned; wait for the transfers or pass force=True"
             )
         self._chunks.clear()
         self._free.clear()
         self._next_fresh = 0
         self._writing = self._evictable = 0
-        self._pinned.clear()
+        self._pinned = 0
+        self._busy.clear()
         self._loads.clear()
+        self._store_jobs.clear()
         self._policy.clear()
         if self._enable_events:
             self._push_event(AllChunksCleared())
@@ -416,7 +465,7 @@ class CPUOffloadingManager:
             free=self._capacity - used,
             writing=self._writing,
             ready=used - self._writing,
-            pinned=len(self._pinned),
+            pinned=self._pinned,
             evictable=self._evictable,
             lookups_hit_total=self._lookups[LookupResult.HIT],
             lookups_miss_total=self._lookups[LookupResult.MISS],
@@ -434,6 +483,6 @@ class CPUOffloadingManager:
         used = len(self._chunks)
         return (
             f"<CPUOffloadingManager [{used}/{self._capacity} chunks: "
-            f"{self._writing} writing, {len(self._pinned)} pinned, {self._evictable} evictable; "
+            f"{self._writing} writing, {self._pinned} pinned, {self._evictable} evictable; "
             f"policy {self._policy.name}]>"
         )

@@ -12,9 +12,15 @@ Two adaptations to a KV-cache tier:
   (``touch``). That first touch of a just-inserted key is the same reference as
   the store, so it only refreshes recency within T1; the next request that uses
   the key promotes it to T2. Without this, every chunk would look frequent.
-- Victims must be evictable (not pinned by a load, not protected by the store
-  that asks for room), so eviction walks each list from its cold end past the
-  keys it may not take, and plans all ``n`` victims before changing anything.
+- Victims must be evictable (not pinned by a load, not being written, not
+  offered by the store that asks for room), so eviction walks each list from
+  its cold end past the keys it may not take, and plans all ``n`` victims
+  before changing anything.
+- The manager inserts a store's new keys before it asks for room, so a ghost
+  hit adapts ``p`` before the replacement, as in the paper. The keys of that
+  latest insert do not count towards |T1| in the replacement they cause (in
+  the paper the missed key joins T1 after REPLACE). The paper's tie-break for
+  a B2 hit with |T1| = p is not applied: eviction does not know the key.
 
 Ghost lists are bounded as in the paper: ``|T1| + |B1| <= c`` and all four lists
 together hold at most ``2c`` keys, for a capacity of ``c`` chunks.
@@ -23,9 +29,8 @@ together hold at most ``2c`` keys, for a capacity of ``c`` chunks.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
-from collections.abc import Sequence
-from collections.abc import Set as AbstractSet
+from collections import OrderedDict, deque
+from collections.abc import Callable, Container, Iterable, Sequence
 from itertools import filterfalse, islice
 
 from tiering._types import OffloadKey
@@ -33,6 +38,9 @@ from tiering.errors import ConfigError
 from tiering.policies.base import CachePolicy
 
 __all__ = ["ARCPolicy"]
+
+_SINK: deque[object] = deque(maxlen=0)
+_drain: Callable[[Iterable[object]], None] = _SINK.extend  # consume an iterator, looping in C
 
 
 class ARCPolicy(CachePolicy):
@@ -45,6 +53,7 @@ class ARCPolicy(CachePolicy):
             raise ConfigError(f"ARCPolicy capacity must be at least 1 chunk, got {capacity}")
         self._capacity = capacity
         self._p = 0.0
+        self._admitted = 0  # keys the latest insert put in T1 (not yet counted by REPLACE)
         # Front = least recent. T1 values: True while the key awaits its first touch.
         self._t1: OrderedDict[OffloadKey, bool] = OrderedDict()
         self._t2: OrderedDict[OffloadKey, None] = OrderedDict()
@@ -58,6 +67,7 @@ class ARCPolicy(CachePolicy):
 
     def insert(self, keys: Sequence[OffloadKey]) -> None:
         t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
+        before = len(t1)
         for key in reversed(keys):
             if key in b1:
                 self._p = min(self._capacity, self._p + max(len(b2) / len(b1), 1.0))
@@ -69,6 +79,7 @@ class ARCPolicy(CachePolicy):
                 t2[key] = None
             else:
                 t1[key] = True
+        self._admitted = len(t1) - before
         self._trim_ghosts()
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
@@ -85,13 +96,15 @@ class ARCPolicy(CachePolicy):
             elif key in t2:
                 t2.move_to_end(key)
 
-    def evict(self, n: int, protected: AbstractSet[OffloadKey]) -> list[OffloadKey] | None:
+    def evict(self, n: int, protected: Container[OffloadKey]) -> list[OffloadKey] | None:
         if n <= 0:
             return []
         t1, t2 = self._t1, self._t2
         # One victim at a time, ARC takes T1's coldest while |T1| (less what it
         # took) exceeds p, then T2's; a list short of candidates hands over.
-        want_t1 = min(n, max(0, math.ceil(len(t1) - self._p)))
+        size_t1 = len(t1) - self._admitted
+        self._admitted = 0
+        want_t1 = min(n, max(0, math.ceil(size_t1 - self._p)))
         cand1 = filterfalse(protected.__contains__, t1)
         from_t1 = list(islice(cand1, want_t1))
         from_t2 = list(islice(filterfalse(protected.__contains__, t2), n - len(from_t1)))
@@ -100,21 +113,22 @@ class ARCPolicy(CachePolicy):
             from_t1.extend(islice(cand1, short))
             if len(from_t1) + len(from_t2) < n:
                 return None
-        b1, b2 = self._b1, self._b2
-        for key in from_t1:
-            del t1[key]
-            b1[key] = None
-        for key in from_t2:
-            del t2[key]
-            b2[key] = None
+        # Bulk moves to the ghost lists, looped in C (this is the hot path).
+        _drain(map(t1.__delitem__, from_t1))
+        _drain(map(t2.__delitem__, from_t2))
+        self._b1.update(dict.fromkeys(from_t1))
+        self._b2.update(dict.fromkeys(from_t2))
         self._trim_ghosts()
         return from_t1 + from_t2
 
     def _trim_ghosts(self) -> None:
         c = self._capacity
         t1, b1, b2 = self._t1, self._b1, self._b2
-        while b1 and len(t1) + len(b1) > c:
-            b1.popitem(last=False)
+        over = len(t1) + len(b1) - c
+        if over > 0:
+            popitem = b1.popitem
+            for _ in range(min(over, len(b1))):
+                popitem(last=False)
         excess = len(t1) + len(self._t2) + len(b1) + len(b2) - 2 * c
         while excess > 0 and b2:
             b2.popitem(last=False)
@@ -132,6 +146,7 @@ class ARCPolicy(CachePolicy):
         for lst in (self._t1, self._t2, self._b1, self._b2):
             lst.clear()
         self._p = 0.0
+        self._admitted = 0
 
     def __len__(self) -> int:
         return len(self._t1) + len(self._t2)

@@ -1,26 +1,28 @@
-"""The cache-policy contract: which ready chunks to evict, in which order.
+"""The cache-policy contract: which chunks to evict, in which order.
 
-A policy sees only keys of *ready* chunks (stored and readable); the manager
-keeps states, slots and pins and asks the policy for victims. The contract is
-five methods, kept small so a new policy is easy to write and to test against
-the shared contract suite:
+A policy tracks the keys of the chunks in the tier (from the moment a store
+allocates them); the manager keeps states, slots and pins and asks the policy
+for victims, protecting the chunks it may not give up (pinned, being written,
+offered by the store asking for room). The contract is five methods, kept small
+so a new policy is easy to write and to test against the shared contract suite:
 
-- ``insert(keys)``: chunks became ready, in request order (head first);
+- ``insert(keys)``: chunks joined the tier, in request order (head first);
 - ``touch(keys)``: a request used these chunks; commit their recency, head first;
 - ``evict(n, protected)``: choose and forget exactly ``n`` victims, or nothing;
 - ``remove(keys)``: chunks left the tier without being evicted;
 - ``clear()``: forget everything.
 
-Ordering guarantee every policy keeps: within one ``insert`` or ``touch`` call,
-a key nearer the head of the request is never evicted before a key nearer its
-tail (a prefix is only useful from its head, so its tail goes first).
+Ordering: a prefix is only useful from its head, so policies evict a request's
+tail before its head. `LRUPolicy` guarantees it for the keys of the latest
+``insert`` or ``touch`` of a request. `ARCPolicy` guarantees it within each of
+its lists; a head kept for its frequency in T2 may outlive a tail in T1, and
+the reverse (a documented trade of the algorithm).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from collections.abc import Set as AbstractSet
+from collections.abc import Container, Sequence
 
 from tiering._types import OffloadKey
 
@@ -35,14 +37,14 @@ class CachePolicy(ABC):
 
     @abstractmethod
     def insert(self, keys: Sequence[OffloadKey]) -> None:
-        """Track ``keys`` (not tracked yet), which just became ready, head first."""
+        """Track ``keys`` (not tracked yet), which just joined the tier, head first."""
 
     @abstractmethod
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         """A request used ``keys`` (head first); untracked keys are ignored."""
 
     @abstractmethod
-    def evict(self, n: int, protected: AbstractSet[OffloadKey]) -> list[OffloadKey] | None:
+    def evict(self, n: int, protected: Container[OffloadKey]) -> list[OffloadKey] | None:
         """Choose ``n`` tracked keys not in ``protected`` and stop tracking them.
 
         All or nothing: when fewer than ``n`` candidates exist, return ``None``
@@ -60,4 +62,4 @@ class CachePolicy(ABC):
 
     @abstractmethod
     def __len__(self) -> int:
-        """Number of tracked (ready) keys."""
+        """Number of tracked keys."""

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
-from collections.abc import Set as AbstractSet
+from collections.abc import Container, Sequence
 from itertools import filterfalse, islice
 
 from tiering._types import OffloadKey
@@ -39,7 +38,7 @@ class LRUPolicy(CachePolicy):
             if key in order:
                 move(key)
 
-    def evict(self, n: int, protected: AbstractSet[OffloadKey]) -> list[OffloadKey] | None:
+    def evict(self, n: int, protected: Container[OffloadKey]) -> list[OffloadKey] | None:
         if n <= 0:
             return []
         order = self._order

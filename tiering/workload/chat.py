@@ -95,6 +95,10 @@ def _log_normal_mu(mean: float, sigma: float) -> float:
     return math.log(mean) - sigma * sigma / 2.0
 
 
+#: The largest generated workload (about 1.7 s and a few hundred MB per 100,000).
+MAX_REQUESTS = 10_000_000
+
+
 def chat_workload(
     num_requests: int = 5000,
     *,
@@ -131,6 +135,11 @@ def chat_workload(
     `WorkloadError` for a parameter out of range.
     """
     _check_int("num_requests", num_requests, 0)
+    if num_requests > MAX_REQUESTS:
+        raise WorkloadError(
+            f"num_requests must be at most {MAX_REQUESTS:,} for a generated workload, "
+            f"got {num_requests:,}"
+        )
     _check_int("seed", seed, 0)
     _check_int("num_system_prompts", num_system_prompts, 1)
     _check_int("system_prompt_tokens", system_prompt_tokens, 1)

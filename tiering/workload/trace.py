@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 from collections.abc import Generator, Iterable, Iterator
 from pathlib import Path
 from typing import Annotated, BinaryIO
@@ -42,6 +43,7 @@ __all__ = [
 BLOCK_TOKENS = 512
 
 _NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+_MAX_HASH_ID = 2**64 - 1  # hash ids are unsigned 64-bit prefix hashes
 
 _BOM = b"\xef\xbb\xbf"
 
@@ -88,13 +90,19 @@ def _decode_lines(stream: BinaryIO, path: Path) -> Iterator[Request]:
                     f"{path}, line {lineno}: not UTF-8 text ({exc.reason} at byte {exc.start})"
                 ) from None
             try:
-                yield _DECODER.decode(text)
+                request = _DECODER.decode(text)
             except msgspec.DecodeError as exc:
                 raise WorkloadError(
                     f"{path}, line {lineno}: {exc}; expected a JSON object with integer "
                     "'timestamp', 'input_length', 'output_length' >= 0 and a list "
                     "'hash_ids' of integers >= 0"
                 ) from None
+            if request.hash_ids and max(request.hash_ids) > _MAX_HASH_ID:
+                raise WorkloadError(
+                    f"{path}, line {lineno}: hash id {max(request.hash_ids)} does not fit in "
+                    f"64 bits; hash ids must be in [0, {_MAX_HASH_ID}]"
+                )
+            yield request
     except OSError as exc:
         reason = exc.strerror or str(exc)
         raise WorkloadError(f"cannot read trace {path} after line {lineno}: {reason}") from exc
@@ -111,6 +119,10 @@ def iter_trace(path: str | os.PathLike[str]) -> Generator[Request, None, None]:
         yield from _decode_lines(stream, trace)
 
 
+def _capped(limit: int | None) -> int | None:
+    return None if limit is None else min(limit, sys.maxsize)
+
+
 def read_trace(path: str | os.PathLike[str], *, limit: int | None = None) -> list[Request]:
     """Read the requests of the trace at ``path``, in file order.
 
@@ -124,8 +136,10 @@ def read_trace(path: str | os.PathLike[str], *, limit: int | None = None) -> lis
     if limit is not None and limit < 0:
         raise WorkloadError(f"limit must be >= 0 or None, got {limit}")
     trace = Path(path)
+    if not str(path):
+        raise WorkloadError("the trace path is empty; give a file")
     with _open(trace) as stream:
-        return list(itertools.islice(_decode_lines(stream, trace), limit))
+        return list(itertools.islice(_decode_lines(stream, trace), _capped(limit)))
 
 
 def write_trace(path: str | os.PathLike[str], requests: Iterable[Request]) -> None:
