@@ -1,0 +1,250 @@
+"""Host memory for the CPU tier: one exact-size mapping, viewed as a tensor.
+
+Why not ``torch.empty(..., pin_memory=True)``: torch's pinned allocator rounds
+every request up to a power of two, so a 40 GiB tier would reserve 64 GiB of
+host RAM. Here the tier is one anonymous mapping (or one file in ``/dev/shm``
+when several processes share it) of exactly the size asked, rounded only to
+the host page size; ``torch.frombuffer`` views it without copying. Pinning for
+DMA is the CUDA backend's business (``cudaHostRegister`` over this region).
+
+Pages are touched lazily unless ``populate=True``; `resident_bytes` reports
+how much of the pool is in RAM right now (``mincore``), so "the pool costs its
+size, not twice it" can be checked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import enum
+import logging
+import mmap
+import os
+import sys
+import threading
+
+import msgspec
+import numpy as np
+import torch
+
+from tiering.errors import CapacityError, ResourceClosedError
+
+__all__ = ["HostMemoryPool", "PoolStatistics", "available_host_bytes"]
+
+logger = logging.getLogger(__name__)
+
+PAGE_SIZE = mmap.PAGESIZE
+SHM_DIR = "/dev/shm"
+
+
+class PoolStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    """A snapshot of a `HostMemoryPool`."""
+
+    nbytes: int
+    mapped_bytes: int
+    resident_bytes: int
+    shared: bool
+    closed: bool
+
+
+class _State(enum.Enum):
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+def available_host_bytes(shm_dir: str | None = None) -> int:
+    """Bytes a new allocation can take: ``MemAvailable``, and free space of ``shm_dir`` if given."""
+    avail = _mem_available()
+    if shm_dir is not None:
+        st = os.statvfs(shm_dir)
+        avail = min(avail, st.f_bavail * st.f_frsize)
+    return avail
+
+
+def _mem_available() -> int:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _fmt(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n} B"
+
+
+class HostMemoryPool:
+    """One exact-size host allocation for the whole CPU tier.
+
+    Guarantees: the mapping is ``nbytes`` rounded up to the host page size and
+    page-aligned; construction refuses (`CapacityError`, saying how much was
+    asked and how much there is) a pool that does not fit in the available
+    memory (or ``/dev/shm`` space); `close` is idempotent and unmaps the
+    region as soon as no tensor view of it is left alive (views handed out by
+    `tensor`/`words` keep the memory mapped, never dangling).
+
+    ``shm_name`` puts the pool in ``/dev/shm/<shm_name>`` so other processes can
+    map it: with ``create=True`` the file must not exist and is removed on
+    close; with ``create=False`` an existing file of exactly ``nbytes`` is
+    mapped (no space check: it is already paid for).
+    """
+
+    def __init__(
+        self,
+        nbytes: int,
+        *,
+        shm_name: str | None = None,
+        create: bool = True,
+        populate: bool = False,
+    ) -> None:
+        if nbytes < 1:
+            raise CapacityError(f"a host memory pool needs at least 1 byte, got {nbytes}")
+        self.nbytes = nbytes
+        self.mapped_bytes = -(-nbytes // PAGE_SIZE) * PAGE_SIZE
+        self._lock = threading.Lock()
+        self._path: str | None = None
+        self._owns_file = False
+        if shm_name is not None and ("/" in shm_name or not shm_name):
+            raise CapacityError(f"shm_name must be a plain file name, got {shm_name!r}")
+        if shm_name is None or create:
+            avail = available_host_bytes(SHM_DIR if shm_name is not None else None)
+            if self.mapped_bytes > avail:
+                where = f"{SHM_DIR} space and MemAvailable" if shm_name else "MemAvailable"
+                raise CapacityError(
+                    f"the CPU tier asks for {nbytes} bytes ({_fmt(nbytes)}) of host memory, "
+                    f"but only {avail} bytes ({_fmt(avail)}) are available ({where}); "
+                    "make the tier smaller"
+                )
+        flags = mmap.MAP_SHARED
+        if populate:
+            flags |= getattr(mmap, "MAP_POPULATE", 0)
+        if shm_name is None:
+            self._mmap = mmap.mmap(-1, self.mapped_bytes, flags=flags)
+        else:
+            self._path = os.path.join(SHM_DIR, shm_name)
+            self._mmap = self._map_file(self._path, create, flags)
+            self._owns_file = create
+        self._tensor: torch.Tensor | None = torch.frombuffer(
+            self._mmap, dtype=torch.uint8, count=nbytes
+        )
+        self.data_ptr: int = self._tensor.data_ptr()
+        self._state = _State.OPEN
+
+    def _map_file(self, path: str, create: bool, flags: int) -> mmap.mmap:
+        if create:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                # Reserve the space now: a sparse tmpfs file would SIGBUS on a full /dev/shm.
+                os.posix_fallocate(fd, 0, self.mapped_bytes)
+                return mmap.mmap(fd, self.mapped_bytes, flags=flags)
+            except BaseException:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                raise
+            finally:
+                os.close(fd)
+        fd = os.open(path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            if size < self.nbytes:
+                raise CapacityError(f"{path} holds {size} bytes, but the pool needs {self.nbytes}")
+            return mmap.mmap(fd, self.mapped_bytes, flags=flags)
+        finally:
+            os.close(fd)
+
+    @property
+    def closed(self) -> bool:
+        return self._state is _State.CLOSED
+
+    @property
+    def shared(self) -> bool:
+        return self._path is not None
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The pool as a flat ``uint8`` tensor of ``nbytes`` elements (zero-copy)."""
+        t = self._tensor
+        if t is None:
+            raise ResourceClosedError("the host memory pool is closed")
+        return t
+
+    def words(self, dtype: torch.dtype) -> torch.Tensor:
+        """The pool as a flat tensor of ``dtype`` (``nbytes`` must be a multiple of its size)."""
+        return self.tensor.view(dtype)
+
+    def resident_bytes(self) -> int:
+        """Bytes of the pool in RAM now (pages counted by ``mincore``); 0 once closed."""
+        with self._lock:
+            if self._state is _State.CLOSED:
+                return 0
+            return _resident_bytes(self.data_ptr, self.mapped_bytes)
+
+    def statistics(self) -> PoolStatistics:
+        return PoolStatistics(
+            nbytes=self.nbytes,
+            mapped_bytes=self.mapped_bytes,
+            resident_bytes=self.resident_bytes(),
+            shared=self.shared,
+            closed=self.closed,
+        )
+
+    def close(self) -> None:
+        """Release the pool. Idempotent.
+
+        The region is unmapped now if no view of it is alive, else when the
+        last view is garbage-collected (a view never points at unmapped memory).
+        """
+        with self._lock:
+            if self._state is _State.CLOSED:
+                return
+            self._state = _State.CLOSED
+            self._tensor = None
+            mm = self._mmap
+            del self._mmap
+            # Ours plus getrefcount's argument; every torch storage viewing the
+            # mapping holds one more reference.
+            if sys.getrefcount(mm) <= 2:
+                mm.close()
+            else:
+                logger.debug("host memory pool: views still alive, unmapping when they are freed")
+            del mm
+            if self._owns_file and self._path is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self._path)
+
+    def __enter__(self) -> HostMemoryPool:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        if self.closed:
+            return f"<HostMemoryPool [closed, {self.nbytes} bytes]>"
+        where = f", {self._path}" if self._path else ""
+        return (
+            f"<HostMemoryPool [{_fmt(self.nbytes)}, {_fmt(self.resident_bytes())} resident{where}]>"
+        )
+
+
+_libc: ctypes.CDLL | None = None
+
+
+def _resident_bytes(addr: int, length: int) -> int:
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        _libc.mincore.restype = ctypes.c_int
+    vec = np.zeros(length // PAGE_SIZE, dtype=np.uint8)
+    if _libc.mincore(addr, length, vec.ctypes.data) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mincore failed: {os.strerror(err)}")
+    return int(np.count_nonzero(vec & 1)) * PAGE_SIZE

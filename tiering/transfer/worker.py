@@ -1,0 +1,170 @@
+"""Backends whose jobs run in worker threads: one thread and one FIFO per direction.
+
+Stores and loads proceed independently (a long store never delays a load), while
+jobs of one direction run in submission order. Torch copy ops release the GIL, so
+the two directions, and the caller, really run at the same time. Completion is
+pushed from the worker thread: to the ``on_complete`` callback if there is one,
+else into the queue `poll` drains; `wait` sleeps on a condition, never spins.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from abc import abstractmethod
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from tiering.errors import ResourceClosedError
+from tiering.specs import LoadStoreSpec
+from tiering.transfer.base import (
+    DEFAULT_MAX_IN_FLIGHT,
+    BackendState,
+    BackendStatistics,
+    CompletionCallback,
+    JobTracker,
+    TransferBackend,
+    TransferResult,
+    failed_result,
+)
+from tiering.transfer.layout import TransferDirection, TransferPlan
+
+__all__ = ["DirectionWorker", "ThreadedBackend", "ThreadedJob"]
+
+logger = logging.getLogger(__name__)
+
+J = TypeVar("J")
+
+
+class DirectionWorker(Generic[J]):
+    """A daemon thread running ``run(job)`` for each job put, in order."""
+
+    def __init__(self, name: str, run: Callable[[J], None]) -> None:
+        self._run = run
+        self._queue: queue.SimpleQueue[J | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.thread.start()
+
+    def put(self, job: J) -> None:
+        self._queue.put(job)
+
+    def stop(self) -> None:
+        """Run the jobs already put, then end the thread (joined unless called from it)."""
+        self._queue.put(None)
+        if threading.current_thread() is not self.thread:
+            self.thread.join()
+
+    def _loop(self) -> None:
+        while (job := self._queue.get()) is not None:
+            try:
+                self._run(job)
+            except BaseException:  # a bug in run(); keep serving later jobs
+                logger.exception("transfer worker %s: job crashed", self.thread.name)
+
+
+@dataclass(frozen=True)
+class ThreadedJob:
+    """A job admitted to a `ThreadedBackend`; ``plan`` is ``None`` for layout-less mocks."""
+
+    job_id: int
+    direction: TransferDirection
+    plan: TransferPlan | None
+    src: LoadStoreSpec
+    dst: LoadStoreSpec
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.plan is None else self.plan.nbytes
+
+
+class ThreadedBackend(TransferBackend):
+    """A `TransferBackend` that runs `execute` for each job in its direction's worker thread.
+
+    Subclasses provide `prepare` (validate, before admission) and `execute` (move
+    the bytes; any exception becomes a failed result).
+    """
+
+    def __init__(
+        self,
+        *,
+        on_complete: CompletionCallback | None = None,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+    ) -> None:
+        self._tracker = JobTracker(self.name, on_complete, max_in_flight)
+        self._workers = {
+            d: DirectionWorker[ThreadedJob](f"tiering-{self.name}-{d.value}", self._run)
+            for d in TransferDirection
+        }
+
+    @abstractmethod
+    def prepare(self, job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec) -> ThreadedJob:
+        """Validate a job (raising `SpecError`) and describe it; no byte moves here."""
+
+    @abstractmethod
+    def execute(self, job: ThreadedJob) -> None:
+        """Move the bytes of ``job``, in its worker thread; raise to fail it."""
+
+    def release_resources(self) -> None:
+        """Drop resources once every job has completed (called once, by `close`)."""
+
+    def submit(self, job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec) -> None:
+        if self._tracker.state is not BackendState.OPEN:
+            raise ResourceClosedError(f"the {self.name} backend is {self._tracker.state.value}")
+        job = self.prepare(job_id, src, dst)
+        self._tracker.admit(job_id, job.direction)
+        self._workers[job.direction].put(job)
+
+    def _run(self, job: ThreadedJob) -> None:
+        started = time.perf_counter()
+        try:
+            self.execute(job)
+        except Exception as exc:
+            result = failed_result(job.job_id, job.direction, job.nbytes, exc, started)
+        else:
+            result = TransferResult(
+                job_id=job.job_id,
+                success=True,
+                direction=job.direction,
+                nbytes=job.nbytes,
+                seconds=time.perf_counter() - started,
+            )
+        self._tracker.complete(result)
+
+    def poll(self) -> list[TransferResult]:
+        return self._tracker.poll()
+
+    def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> bool:
+        return self._tracker.wait(job_ids, timeout)
+
+    def statistics(self) -> BackendStatistics:
+        return self._tracker.statistics()
+
+    def close(self) -> None:
+        """Finish every admitted job, stop the workers, release resources. Idempotent.
+
+        Called from a worker thread (an ``on_complete`` callback), it returns at
+        once and the closing finishes in the background.
+        """
+        on_worker = any(w.thread is threading.current_thread() for w in self._workers.values())
+        if not self._tracker.begin_close():
+            if not on_worker:
+                self._tracker.wait_closed()
+            return
+        if on_worker:
+            threading.Thread(target=self._finish_close, name=f"tiering-{self.name}-close").start()
+        else:
+            self._finish_close()
+
+    def _finish_close(self) -> None:
+        for worker in self._workers.values():
+            worker.stop()
+        try:
+            self.release_resources()
+        finally:
+            self._tracker.finish_close()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self._tracker.describe()}>"
