@@ -53,7 +53,7 @@ class LookupResult(enum.Enum):
     HIT_PENDING = "hit_pending"  # being written: not readable yet
 
 
-class PrepareStoreOutput(msgspec.Struct, frozen=True, kw_only=True):
+class PrepareStoreOutput(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """What a store must copy: the keys not yet in the tier, their slots, and evictions."""
 
     keys_to_store: tuple[OffloadKey, ...]
@@ -61,21 +61,21 @@ class PrepareStoreOutput(msgspec.Struct, frozen=True, kw_only=True):
     evicted_keys: tuple[OffloadKey, ...]
 
 
-class ChunksStored(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+class ChunksStored(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag=True):
     """Chunks whose stores landed: readable from now on."""
 
     keys: tuple[OffloadKey, ...]
     medium: Medium = Medium.CPU
 
 
-class ChunksRemoved(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+class ChunksRemoved(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag=True):
     """Chunks evicted from the tier."""
 
     keys: tuple[OffloadKey, ...]
     medium: Medium = Medium.CPU
 
 
-class AllChunksCleared(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+class AllChunksCleared(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag=True):
     """The tier was reset: every chunk is gone."""
 
     medium: Medium = Medium.CPU
@@ -84,7 +84,7 @@ class AllChunksCleared(msgspec.Struct, frozen=True, kw_only=True, tag=True):
 ChunkEvent = ChunksStored | ChunksRemoved | AllChunksCleared
 
 
-class ManagerStatistics(msgspec.Struct, frozen=True, kw_only=True):
+class ManagerStatistics(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """A snapshot of the manager. Chunk counts are now; ``*_total`` count since creation."""
 
     capacity: int
@@ -111,14 +111,16 @@ class ManagerStatistics(msgspec.Struct, frozen=True, kw_only=True):
         return self.used / self.capacity if self.capacity else 0.0
 
 
-class _Chunk:
-    """A chunk in the tier: its slot, and its pin count (``_WRITING`` while being stored)."""
+class _Chunk(msgspec.Struct, gc=False):
+    """A chunk in the tier: its slot, and its pin count (``_WRITING`` while being stored).
 
-    __slots__ = ("pins", "slot")
+    Not tracked by the garbage collector (it holds two ints): a tier holds
+    millions of these, and every tracked allocation brings the next collection
+    closer, which in a process that imported torch walks a very large heap.
+    """
 
-    def __init__(self, slot: int) -> None:
-        self.slot = slot
-        self.pins = _WRITING
+    slot: int
+    pins: int = _WRITING
 
 
 class CPUOffloadingManager:
