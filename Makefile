@@ -20,12 +20,12 @@ test: install
 	$(BIN)/python -m pytest -q
 
 run: install
-	@if [ -f "$(TRACE)" ]; then \
-		$(BIN)/tiering simulate --trace "$(TRACE)" --capacity-tokens 1000000,3000000,10000000 --policy lru,arc; \
-	else \
-		echo "no trace at $(TRACE); running the built-in chat workload"; \
-		$(BIN)/tiering simulate --workload chat --capacity-tokens 1000000,3000000,10000000 --policy lru,arc; \
-	fi
+	@if [ -f "$(TRACE)" ]; then src="--trace $(TRACE)"; else \
+		echo "no trace at $(TRACE); using the built-in chat workload"; src="--workload chat"; fi; \
+	echo "== tiering simulate: hit rate per policy and CPU tier size (no bytes moved)"; \
+	$(BIN)/tiering simulate $$src --capacity-tokens 1000000,3000000,10000000 --policy lru,arc && \
+	echo && echo "== tiering replay: the engine moving real bytes, 2000 requests, verified" && \
+	$(BIN)/tiering replay $$src --requests 2000 --capacity-tokens 3000000 --verify
 
 check: install
 	$(BIN)/ruff format --check tiering tests bench
@@ -38,6 +38,8 @@ lint: install
 
 bench: install
 	$(BIN)/python bench/manager.py
+	$(BIN)/python bench/transfer.py
+	$(BIN)/python bench/engine.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,11 +1,15 @@
 """tiering: an async, event-driven KV-cache tiering engine for LLM inference servers.
 
 The public surface is re-exported here. Importing `tiering` is light: it does
-not import torch, anyio or any optional extra; the data plane
-(`tiering.transfer`) loads torch when it is first used.
+not import torch, anyio or any optional extra. The engine, the scheduler and
+the data plane are re-exported lazily: their modules (and torch) load when one
+of their names is first used.
 """
 
 from __future__ import annotations
+
+import importlib as _importlib
+import typing as _typing
 
 from tiering._types import (
     Medium,
@@ -49,7 +53,47 @@ from tiering.policies import ARCPolicy, CachePolicy, LRUPolicy, create_policy
 from tiering.simulate import SimulationResult, simulate
 from tiering.specs import BlockIDsLoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
 
+if _typing.TYPE_CHECKING:
+    from tiering.engine import EngineStatistics, PrefixLookup, TieringEngine
+    from tiering.scheduler import JobHandle, JobKind, JobOutcome, JobResult, SchedulerLimits
+    from tiering.transfer import (
+        HostMemoryPool,
+        KVCacheTensor,
+        KVLayout,
+        TransferBackend,
+        TransferResult,
+        create_backend,
+    )
+
 __version__ = "0.1.0"
+
+#: Names loaded on first use, and the module each comes from.
+_LAZY = {
+    "TieringEngine": "tiering.engine",
+    "EngineStatistics": "tiering.engine",
+    "PrefixLookup": "tiering.engine",
+    "JobHandle": "tiering.scheduler",
+    "JobKind": "tiering.scheduler",
+    "JobOutcome": "tiering.scheduler",
+    "JobResult": "tiering.scheduler",
+    "SchedulerLimits": "tiering.scheduler",
+    "HostMemoryPool": "tiering.transfer",
+    "KVCacheTensor": "tiering.transfer",
+    "KVLayout": "tiering.transfer",
+    "TransferBackend": "tiering.transfer",
+    "TransferResult": "tiering.transfer",
+    "create_backend": "tiering.transfer",
+}
+
+
+def __getattr__(name: str) -> _typing.Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tiering' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "ARCPolicy",
@@ -65,7 +109,15 @@ __all__ = [
     "ChunksRemoved",
     "ChunksStored",
     "ConfigError",
+    "EngineStatistics",
     "GPULoadStoreSpec",
+    "HostMemoryPool",
+    "JobHandle",
+    "JobKind",
+    "JobOutcome",
+    "JobResult",
+    "KVCacheTensor",
+    "KVLayout",
     "LRUPolicy",
     "LoadStoreSpec",
     "LookupResult",
@@ -77,15 +129,21 @@ __all__ = [
     "OffloadingGroupConfig",
     "OffloadingModelConfig",
     "OffloadingParallelConfig",
+    "PrefixLookup",
     "PrepareStoreOutput",
     "ResourceClosedError",
+    "SchedulerLimits",
     "SimulationResult",
     "SpecError",
+    "TieringEngine",
     "TieringError",
+    "TransferBackend",
     "TransferError",
+    "TransferResult",
     "UnknownKeyError",
     "WorkloadError",
     "build_offloading_config",
+    "create_backend",
     "create_policy",
     "get_offload_block_hash",
     "get_offload_group_idx",

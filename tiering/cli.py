@@ -35,7 +35,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _positive_int(text: str) -> int:
     try:
-        value = int(text.replace("_", ""))
+        value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
@@ -116,6 +116,51 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sim.add_argument("--json", action="store_true", help="one JSON object per line")
     sim.set_defaults(run=_run_simulate)
+
+    rep = sub.add_parser(
+        "replay",
+        help="run the engine over a workload, moving real bytes on an emulated GPU KV cache",
+        description=(
+            "Drive a TieringEngine over a request trace as an inference server would: "
+            "look up, load hits, compute and store the rest, flush, with --concurrency "
+            "requests in flight on one event loop. The GPU KV cache is emulated with CPU "
+            "tensors where there is no GPU."
+        ),
+    )
+    _add_workload_args(rep)
+    size = rep.add_mutually_exclusive_group()
+    size.add_argument(
+        "--capacity-tokens",
+        type=_positive_int,
+        metavar="N",
+        help="CPU tier capacity in tokens (default 3000000)",
+    )
+    size.add_argument("--cpu-bytes", type=_positive_int, metavar="B", help="CPU tier size in bytes")
+    rep.add_argument(
+        "--policy", choices=POLICY_NAMES, default="lru", help="cache policy (default lru)"
+    )
+    rep.add_argument(
+        "--bytes-per-token",
+        type=_positive_int,
+        default=128,
+        metavar="B",
+        help="KV bytes per token of the emulated model (default 128)",
+    )
+    rep.add_argument(
+        "--block-tokens", type=_positive_int, default=512, metavar="N",
+        help="tokens per hash id, block and chunk (default 512)",
+    )  # fmt: skip
+    rep.add_argument(
+        "--concurrency", type=_positive_int, default=4, metavar="C",
+        help="requests in flight at once (default 4)",
+    )  # fmt: skip
+    rep.add_argument(
+        "--backend", choices=("auto", "cpu", "cuda", "mock"), default="auto",
+        help="transfer backend (default auto: cuda for CUDA tensors, else cpu)",
+    )  # fmt: skip
+    rep.add_argument("--verify", action="store_true", help="check every loaded chunk byte for byte")
+    rep.add_argument("--json", action="store_true", help="print one JSON object")
+    rep.set_defaults(run=_run_replay)
     return parser
 
 
@@ -140,6 +185,45 @@ def _run_simulate(args: argparse.Namespace) -> None:
             results.append(result)
     if not args.json:
         print(_simulation_table(results))
+
+
+def _run_replay(args: argparse.Namespace) -> None:
+    from tiering.replay import ReplayOptions, run_replay  # torch and anyio: only when used
+
+    requests = _load_requests(args)
+    if not requests:
+        raise _UsageError("the workload has no requests")
+    options = ReplayOptions(
+        capacity_tokens=args.capacity_tokens or (None if args.cpu_bytes else 3_000_000),
+        cpu_bytes=args.cpu_bytes,
+        policy=args.policy,
+        bytes_per_token=args.bytes_per_token,
+        block_tokens=args.block_tokens,
+        concurrency=args.concurrency,
+        verify=args.verify,
+        backend=args.backend,
+    )
+    result = run_replay(requests, options, show_progress=not args.json and sys.stderr.isatty())
+    if args.json:
+        sys.stdout.buffer.write(msgspec.json.encode(result) + b"\n")
+        return
+    r = result
+    rows = [
+        ("requests", f"{r.requests:,} ({r.concurrency} at once, {r.backend} backend)"),
+        ("CPU tier", f"{r.capacity_chunks:,} chunks, {r.cpu_bytes / 2**20:,.1f} MiB, {r.policy}"),
+        ("hit rate", f"{r.hit_rate:.2%} ({r.hit_blocks:,} of {r.blocks:,} blocks loaded back)"),
+        ("stored", f"{r.stored_chunks:,} chunks, {r.store_bytes / 1e9:.2f} GB at "
+                   f"{r.store_gbps:.2f} GB/s"),
+        ("loaded", f"{r.loaded_chunks:,} chunks, {r.load_bytes / 1e9:.2f} GB at "
+                   f"{r.load_gbps:.2f} GB/s"),
+        ("evictions", f"{r.evictions:,}"),
+        ("job latency", f"p50 {r.job_latency_p50_ms:.2f} ms, p99 {r.job_latency_p99_ms:.2f} ms"),
+        ("failed jobs", f"{r.failed_jobs:,} (and {r.no_room_stores:,} stores found no room)"),
+        ("corrupt chunks", f"{r.corrupt_chunks:,}" if args.verify else "not checked (--verify)"),
+        ("seconds", f"{r.seconds:.2f}"),
+    ]  # fmt: skip
+    width = max(len(name) for name, _ in rows)
+    print("\n".join(f"{name:<{width}}  {value}" for name, value in rows))
 
 
 def _simulation_table(results: Sequence[SimulationResult]) -> str:

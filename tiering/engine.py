@@ -1,0 +1,306 @@
+"""`TieringEngine`: the CPU tier of one engine rank, built and owned in one object.
+
+An async server embeds one engine per rank::
+
+    async with TieringEngine(config, kv_caches, cpu_bytes=8 << 30) as engine:
+        found = engine.lookup(keys)                  # sync, cheap
+        job = await engine.submit_load(keys[:found.ready], gpu_spec)
+        result = await job                           # a JobResult, never an exception
+        ...
+        await engine.flush(block_ids)                # before reusing GPU blocks
+
+The engine builds the KV layout from the config's groups and the caller's KV
+tensors, sizes the tier from ``cpu_bytes``, and owns the manager, the host
+memory, the backend and the scheduler. It works on asyncio and trio.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from typing import Any, Self
+
+import msgspec
+import numpy as np
+import torch
+
+from tiering._types import OffloadKey
+from tiering.config import OffloadingConfig
+from tiering.cpu.common import CPUOffloadingInfo
+from tiering.cpu.manager import CPUOffloadingManager, LookupResult, ManagerStatistics
+from tiering.errors import CapacityError, ConfigError, ResourceClosedError
+from tiering.policies import CachePolicy
+from tiering.scheduler import (
+    JobHandle,
+    JobKind,
+    Scheduler,
+    SchedulerLimits,
+    SchedulerStatistics,
+)
+from tiering.specs import GPULoadStoreSpec, IntArray
+from tiering.transfer import (
+    BACKEND_NAMES,
+    BackendStatistics,
+    CompletionCallback,
+    HostMemoryPool,
+    KVCacheTensor,
+    KVLayout,
+    PoolStatistics,
+    TransferBackend,
+    create_backend,
+    default_backend_name,
+)
+
+__all__ = ["EngineStatistics", "PrefixLookup", "TieringEngine", "kv_cache_tensors"]
+
+#: Keys of ``OffloadingConfig.extra_config`` read as scheduler limits.
+_LIMIT_KEYS = frozenset(SchedulerLimits.__struct_fields__)
+
+
+class PrefixLookup(msgspec.Struct, frozen=True):
+    """A request's chunks from the head: ``ready`` to load, then ``pending`` (being
+    written), then ``missing`` (the rest, from the first chunk that is absent)."""
+
+    ready: int
+    pending: int
+    missing: int
+
+
+class EngineStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    state: str
+    manager: ManagerStatistics
+    scheduler: SchedulerStatistics
+    backend: BackendStatistics | None
+    pool: PoolStatistics | None
+
+
+class _State(enum.Enum):
+    NEW = "new"
+    OPEN = "open"
+    CLOSING = "closing"
+    CLOSED = "closed"
+
+
+def kv_cache_tensors(
+    config: OffloadingConfig, kv_caches: Mapping[str, torch.Tensor]
+) -> list[KVCacheTensor]:
+    """Register the per-layer tensors named by the config's groups, block-major.
+
+    Each tensor's first dimension is its number of blocks and one block's
+    elements are contiguous (a ``(num_blocks, ...)`` layout; a
+    ``(2, num_blocks, ...)`` K/V layout is registered as two `KVCacheTensor`
+    by the caller instead).
+    """
+    named = {name for group in config.groups for name in group.layer_names}
+    extra = sorted(set(kv_caches) - named)
+    if extra:
+        raise ConfigError(
+            f"KV cache tensors {extra} belong to no group of the config; "
+            f"the groups name {sorted(named)}"
+        )
+    tensors = []
+    for g, group in enumerate(config.groups):
+        for name in group.layer_names:
+            tensor = kv_caches.get(name)
+            if tensor is None:
+                raise ConfigError(f"no KV cache tensor for layer {name!r} of group {g}")
+            if tensor.dim() < 1 or tensor.shape[0] < 1 or not tensor.is_contiguous():
+                raise ConfigError(
+                    f"KV cache tensor {name!r} must be contiguous and block-major "
+                    f"(num_blocks, ...), got shape {tuple(tensor.shape)}"
+                )
+            page_bytes = tensor[0].numel() * tensor.element_size()
+            tensors.append(KVCacheTensor(tensor, int(tensor.shape[0]), page_bytes, group=g))
+    return tensors
+
+
+def _limits(config: OffloadingConfig, limits: SchedulerLimits | None) -> SchedulerLimits:
+    if limits is not None:
+        return limits
+    given = {k: v for k, v in config.extra_config.items() if k in _LIMIT_KEYS}
+    try:
+        return msgspec.convert(given, SchedulerLimits)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"extra_config: {exc}") from None
+
+
+class TieringEngine:
+    """The CPU tier of one engine rank: manager, host memory, backend and scheduler.
+
+    ``kv_caches`` maps layer names (as in ``config.groups``) to block-major
+    tensors, or lists `KVCacheTensor` directly. ``backend`` is ``"auto"``
+    (``cuda`` when the KV tensors are on a CUDA device, else ``cpu``),
+    ``"cpu"``, ``"cuda"`` or ``"mock"``; ``backend_options`` go to its
+    constructor. Scheduler limits come from ``limits`` or from the config's
+    ``extra_config`` (``max_queued_jobs``, ``max_inflight_bytes``, ``slice_chunks``).
+    """
+
+    def __init__(
+        self,
+        config: OffloadingConfig,
+        kv_caches: Mapping[str, torch.Tensor] | Sequence[KVCacheTensor],
+        *,
+        cpu_bytes: int,
+        policy: str | CachePolicy = "lru",
+        backend: str = "auto",
+        backend_options: Mapping[str, Any] | None = None,
+        limits: SchedulerLimits | None = None,
+    ) -> None:
+        if isinstance(cpu_bytes, bool) or not isinstance(cpu_bytes, int) or cpu_bytes < 1:
+            raise ConfigError(f"cpu_bytes must be a positive integer, got {cpu_bytes!r}")
+        self.config = config
+        tensors = (
+            kv_cache_tensors(config, kv_caches)
+            if isinstance(kv_caches, Mapping)
+            else list(kv_caches)
+        )
+        self.layout = KVLayout(tensors, config.cache.blocks_per_chunk)
+        num_chunks = self.layout.num_chunks(cpu_bytes)
+        if num_chunks < 1:
+            raise CapacityError(
+                f"cpu_bytes={cpu_bytes} holds no chunk: one chunk row takes "
+                f"{self.layout.row_bytes} bytes; give at least that"
+            )
+        self.info = CPUOffloadingInfo.from_config(config, num_chunks, self.layout.row_bytes)
+        if backend == "auto":
+            backend = default_backend_name(self.layout)
+        if backend not in BACKEND_NAMES:
+            raise ConfigError(
+                f"unknown transfer backend {backend!r}; choose auto or {', '.join(BACKEND_NAMES)}"
+            )
+        self.backend_name = backend
+        self._backend_options = dict(backend_options or {})
+        self.manager = CPUOffloadingManager(
+            num_chunks, policy, enable_events=config.enable_kv_cache_events
+        )
+        self.scheduler = Scheduler(
+            self.manager,
+            self._make_backend,
+            blocks_per_chunk=config.cache.blocks_per_chunk,
+            block_bytes=self.layout.group_block_bytes,
+            group_num_blocks=self.layout.group_num_blocks,
+            limits=_limits(config, limits),
+        )
+        self._pool: HostMemoryPool | None = None
+        self._backend: TransferBackend | None = None
+        self._state = _State.NEW
+
+    # -- life -----------------------------------------------------------------
+
+    def _make_backend(self, on_complete: CompletionCallback) -> TransferBackend:
+        if self._pool is None:  # pragma: no cover - open() allocates it first
+            raise ResourceClosedError("the host memory pool is not allocated")
+        self._backend = create_backend(
+            self.backend_name, self.layout, self._pool, on_complete=on_complete,
+            **self._backend_options,
+        )  # fmt: skip
+        return self._backend
+
+    async def __aenter__(self) -> Self:
+        if self._state is not _State.NEW:
+            raise ResourceClosedError(f"the engine is {self._state.value}; an engine opens once")
+        self._pool = HostMemoryPool(self.layout.pool_bytes(self.manager.capacity))
+        try:
+            self.scheduler.open()
+        except BaseException:
+            self._pool.close()
+            raise
+        self._state = _State.OPEN
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Queued jobs end cancelled, running ones finish, host memory is freed. Idempotent."""
+        if self._state in (_State.CLOSING, _State.CLOSED):
+            await self.scheduler.aclose()  # waits for a close in progress
+            return
+        if self._state is _State.NEW:
+            self._state = _State.CLOSED
+            return
+        self._state = _State.CLOSING
+        try:
+            await self.scheduler.aclose()
+        finally:
+            if self._pool is not None:
+                self._pool.close()
+            self._state = _State.CLOSED
+
+    @property
+    def backend(self) -> TransferBackend:
+        """The transfer backend (while the engine is open)."""
+        if self._backend is None:
+            raise ResourceClosedError(f"the engine is {self._state.value}; no backend")
+        return self._backend
+
+    # -- the scheduler side: sync and cheap -----------------------------------
+
+    def lookup(self, keys: Sequence[OffloadKey]) -> PrefixLookup:
+        """How many of a request's chunks, from the head, are ready, then pending."""
+        lookup = self.manager.lookup
+        ready = pending = 0
+        for key in keys:
+            found = lookup(key)
+            if found is LookupResult.HIT and not pending:
+                ready += 1
+            elif found is LookupResult.HIT_PENDING:
+                pending += 1
+            else:
+                break
+        return PrefixLookup(ready, pending, len(keys) - ready - pending)
+
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
+        """Commit a finished request's recency, keys head first."""
+        self.manager.touch(keys)
+
+    # -- jobs -----------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._state is not _State.OPEN:
+            raise ResourceClosedError(f"the engine is {self._state.value}; open it with async with")
+
+    def submit_store_nowait(self, keys: Sequence[OffloadKey], gpu: GPULoadStoreSpec) -> JobHandle:
+        """Queue a store of ``keys`` (one per chunk of ``gpu``); `anyio.WouldBlock` if full."""
+        self._check_open()
+        return self.scheduler.submit_nowait(JobKind.STORE, keys, gpu)
+
+    def submit_load_nowait(self, keys: Sequence[OffloadKey], gpu: GPULoadStoreSpec) -> JobHandle:
+        """Queue a load of ready ``keys`` into ``gpu``; `anyio.WouldBlock` if full."""
+        self._check_open()
+        return self.scheduler.submit_nowait(JobKind.LOAD, keys, gpu)
+
+    async def submit_store(self, keys: Sequence[OffloadKey], gpu: GPULoadStoreSpec) -> JobHandle:
+        """Queue a store, waiting for room in the queue; returns its handle at once after."""
+        self._check_open()
+        return await self.scheduler.submit(JobKind.STORE, keys, gpu)
+
+    async def submit_load(self, keys: Sequence[OffloadKey], gpu: GPULoadStoreSpec) -> JobHandle:
+        """Queue a load, waiting for room in the queue; returns its handle at once after."""
+        self._check_open()
+        return await self.scheduler.submit(JobKind.LOAD, keys, gpu)
+
+    async def flush(self, gpu_block_ids: Sequence[int] | IntArray) -> None:
+        """Return once no store submitted before still reads ``gpu_block_ids``."""
+        await self.scheduler.flush(np.asarray(gpu_block_ids, dtype=np.int64))
+
+    # -- seeing state ---------------------------------------------------------
+
+    def statistics(self) -> EngineStatistics:
+        return EngineStatistics(
+            state=self._state.value,
+            manager=self.manager.statistics(),
+            scheduler=self.scheduler.statistics(),
+            backend=self._backend.statistics() if self._backend is not None else None,
+            pool=self._pool.statistics() if self._pool is not None else None,
+        )
+
+    def __repr__(self) -> str:
+        m = self.manager.statistics()
+        s = self.scheduler.statistics()
+        return (
+            f"<TieringEngine [{self._state.value}; {self.backend_name}; chunks: {m.used}/"
+            f"{m.capacity} used, {m.writing} writing, {m.pinned} pinned; loads: "
+            f"{s.loads.queued} queued, {s.loads.in_flight} running; stores: "
+            f"{s.stores.queued} queued, {s.stores.in_flight} running]>"
+        )

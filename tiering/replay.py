@@ -1,0 +1,314 @@
+"""`tiering replay`: drive a whole engine over a request trace, moving real bytes.
+
+An emulated inference server: ``concurrency`` requests are in flight at once on
+one event loop, each owning a fixed region of an emulated GPU KV cache (CPU
+tensors where there is no GPU). Per request, one chunk per hash id:
+
+1. look up its chunks; the leading ready ones are hits;
+2. "compute" the others: fill their pages with bytes derived from the chunk key;
+3. submit the load of the hits into the first blocks and the store of the rest
+   (the hits stay pinned while the store makes room, as in `tiering simulate`);
+4. await the load; with ``verify``, compare every loaded byte with the bytes the
+   key derives, counting mismatches (never hiding them);
+5. flush (wait for the store to have read the blocks), commit the request's
+   recency, and free the blocks for the next request.
+
+With ``concurrency=1`` the hit rate equals `tiering.simulate`'s for the same
+trace, capacity and policy.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TextIO
+
+import anyio
+import msgspec
+import numpy as np
+import torch
+
+from tiering._types import OffloadKey
+from tiering.config import (
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+)
+from tiering.engine import TieringEngine
+from tiering.errors import ConfigError
+from tiering.scheduler import JobHandle, JobOutcome, JobResult
+from tiering.simulate import requests_to_keys
+from tiering.specs import GPULoadStoreSpec
+from tiering.transfer import KVCacheTensor, KVLayout
+from tiering.workload import Request
+
+__all__ = ["ReplayOptions", "ReplayResult", "replay", "run_replay"]
+
+_MIX = 0x9E3779B97F4A7C15 - (1 << 64)  # golden-ratio multiplier, as a signed int64
+
+
+class ReplayOptions(msgspec.Struct, frozen=True, kw_only=True):
+    capacity_tokens: int | None = 3_000_000
+    cpu_bytes: int | None = None  # overrides capacity_tokens
+    policy: str = "lru"
+    bytes_per_token: int = 128
+    block_tokens: int = 512
+    concurrency: int = 4
+    verify: bool = False
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("bytes_per_token", "block_tokens", "concurrency"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ConfigError(f"{name.replace('_', '-')} must be at least 1, got {value}")
+        if (self.bytes_per_token * self.block_tokens) % 8:
+            raise ConfigError(
+                f"bytes-per-token x block-tokens must be a multiple of 8 bytes, got "
+                f"{self.bytes_per_token} x {self.block_tokens}"
+            )
+        if self.cpu_bytes is None and self.capacity_tokens is None:
+            raise ConfigError("give a capacity in tokens or in bytes")
+        for name in ("capacity_tokens", "cpu_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name.replace('_', '-')} must be positive, got {value}")
+
+
+class ReplayResult(msgspec.Struct, frozen=True, kw_only=True):
+    requests: int
+    blocks: int
+    hit_blocks: int
+    hit_rate: float
+    stored_chunks: int
+    loaded_chunks: int
+    evictions: int
+    store_bytes: int
+    load_bytes: int
+    store_gbps: float
+    load_gbps: float
+    failed_jobs: int
+    no_room_stores: int
+    corrupt_chunks: int
+    job_latency_p50_ms: float
+    job_latency_p99_ms: float
+    seconds: float
+    capacity_chunks: int
+    cpu_bytes: int
+    policy: str
+    backend: str
+    concurrency: int
+
+
+def replay_config(options: ReplayOptions) -> OffloadingConfig:
+    """The engine config of an emulated model: one group, one KV tensor, one block a chunk."""
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=options.block_tokens, layer_names=("kv",)),),
+        worker_kv_bytes_per_block=options.bytes_per_token * options.block_tokens,
+        engine_id="replay",
+        model=OffloadingModelConfig(name="emulated", dtype="int64"),
+        cache=OffloadingCacheConfig(tokens_per_hash=options.block_tokens, blocks_per_chunk=1),
+    )
+
+
+class _Pages:
+    """Deterministic page contents derived from chunk keys, and their checks."""
+
+    def __init__(self, kv: torch.Tensor) -> None:
+        self.kv = kv
+        self.base = torch.arange(kv.shape[1], dtype=torch.int64)
+
+    @staticmethod
+    def seeds(keys: Sequence[OffloadKey]) -> torch.Tensor:
+        values = [int.from_bytes(k[:8], "big", signed=True) ^ len(k) for k in keys]
+        return torch.tensor(values, dtype=torch.int64) * _MIX
+
+    def expected(self, keys: Sequence[OffloadKey]) -> torch.Tensor:
+        return self.seeds(keys)[:, None] + self.base[None, :]
+
+    def fill(self, blocks: torch.Tensor, keys: Sequence[OffloadKey]) -> None:
+        self.kv.index_copy_(0, blocks, self.expected(keys))
+
+    def corrupt(self, blocks: torch.Tensor, keys: Sequence[OffloadKey]) -> int:
+        """How many of ``blocks`` do not hold exactly the bytes of their key."""
+        got = torch.index_select(self.kv, 0, blocks)
+        return int((got != self.expected(keys)).any(dim=1).sum())
+
+
+class _Tally:
+    def __init__(self) -> None:
+        self.done = self.blocks = self.hit_blocks = 0
+        self.failed = self.no_room = self.corrupt = 0
+        self.stored_chunks = self.loaded_chunks = 0
+        self.store_bytes = self.load_bytes = 0
+        self.store_seconds = self.load_seconds = 0.0
+        self.latencies: list[float] = []
+
+    def add(self, result: JobResult, *, load: bool) -> None:
+        self.latencies.append(result.latency)
+        if result.outcome is JobOutcome.NO_ROOM:
+            self.no_room += 1
+        elif not result.success:
+            self.failed += 1
+        elif load:
+            self.loaded_chunks += result.chunks
+            self.load_bytes += result.nbytes
+            self.load_seconds += result.seconds
+        else:
+            self.stored_chunks += result.chunks
+            self.store_bytes += result.nbytes
+            self.store_seconds += result.seconds
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else 0.0
+
+
+def _percentile_ms(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) * 1e3 if values else 0.0
+
+
+async def replay(
+    requests: Sequence[Request],
+    options: ReplayOptions,
+    *,
+    progress: Callable[[int, int, int, int], None] | None = None,
+    backend_options: Mapping[str, Any] | None = None,
+) -> ReplayResult:
+    """Replay ``requests`` through a fresh engine; see the module docstring."""
+    config = replay_config(options)
+    request_keys = requests_to_keys(requests)
+    max_blocks = max((len(k) for k in request_keys), default=0) or 1
+    page_words = options.bytes_per_token * options.block_tokens // 8
+    kv = torch.zeros((options.concurrency * max_blocks, page_words), dtype=torch.int64)
+    if options.cpu_bytes is not None:
+        cpu_bytes = options.cpu_bytes
+    else:
+        assert options.capacity_tokens is not None  # checked by ReplayOptions
+        chunks = options.capacity_tokens // options.block_tokens
+        if chunks < 1:
+            raise ConfigError(
+                f"a capacity of {options.capacity_tokens} tokens holds no chunk of "
+                f"{options.block_tokens} tokens; give at least {options.block_tokens}"
+            )
+        cpu_bytes = chunks * _row_bytes(config, kv)
+    engine = TieringEngine(
+        config,
+        {"kv": kv},
+        cpu_bytes=cpu_bytes,
+        policy=options.policy,
+        backend=options.backend,
+        backend_options=backend_options,
+    )
+    pages = _Pages(kv)
+    tally = _Tally()
+    order = iter(range(len(request_keys)))
+
+    async def serve(worker: int) -> None:
+        region = torch.arange(worker * max_blocks, (worker + 1) * max_blocks, dtype=torch.int64)
+        for index in order:
+            keys = request_keys[index]
+            blocks = region[: len(keys)]
+            hits = engine.lookup(keys).ready
+            tally.blocks += len(keys)
+            tally.hit_blocks += hits
+            if hits < len(keys):
+                pages.fill(blocks[hits:], keys[hits:])
+            load: JobHandle | None = None
+            if hits:
+                load = await engine.submit_load(
+                    keys[:hits], GPULoadStoreSpec(blocks[:hits].numpy())
+                )
+            if hits < len(keys):
+                store = await engine.submit_store(
+                    keys[hits:], GPULoadStoreSpec(blocks[hits:].numpy())
+                )
+                stores.append(store)
+            if load is not None:
+                result = await load
+                tally.add(result, load=True)
+                if options.verify and result.success:
+                    tally.corrupt += pages.corrupt(blocks[:hits], keys[:hits])
+            await engine.flush(blocks.numpy())
+            engine.touch(keys)
+            tally.done += 1
+            if progress is not None:
+                progress(tally.done, len(request_keys), tally.hit_blocks, tally.blocks)
+
+    stores: list[JobHandle] = []
+    async with engine:
+        start = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            for worker in range(options.concurrency):
+                tg.start_soon(serve, worker)
+        for store in stores:
+            tally.add(await store, load=False)
+        seconds = time.perf_counter() - start
+        stats = engine.manager.statistics()
+    return ReplayResult(
+        requests=len(request_keys),
+        blocks=tally.blocks,
+        hit_blocks=tally.hit_blocks,
+        hit_rate=tally.hit_blocks / tally.blocks if tally.blocks else 0.0,
+        stored_chunks=tally.stored_chunks,
+        loaded_chunks=tally.loaded_chunks,
+        evictions=stats.evictions_total,
+        store_bytes=tally.store_bytes,
+        load_bytes=tally.load_bytes,
+        store_gbps=_gbps(tally.store_bytes, tally.store_seconds),
+        load_gbps=_gbps(tally.load_bytes, tally.load_seconds),
+        failed_jobs=tally.failed,
+        no_room_stores=tally.no_room,
+        corrupt_chunks=tally.corrupt,
+        job_latency_p50_ms=_percentile_ms(tally.latencies, 50),
+        job_latency_p99_ms=_percentile_ms(tally.latencies, 99),
+        seconds=seconds,
+        capacity_chunks=engine.manager.capacity,
+        cpu_bytes=engine.manager.capacity * engine.layout.row_bytes,
+        policy=options.policy,
+        backend=engine.backend_name,
+        concurrency=options.concurrency,
+    )
+
+
+def _row_bytes(config: OffloadingConfig, kv: torch.Tensor) -> int:
+    page = kv.shape[1] * kv.element_size()
+    layout = KVLayout([KVCacheTensor(kv, kv.shape[0], page)], config.cache.blocks_per_chunk)
+    return layout.row_bytes
+
+
+class ProgressBar:
+    """A one-line progress bar on a terminal, redrawn at most every 0.1 s."""
+
+    def __init__(self, stream: TextIO = sys.stderr, width: int = 30) -> None:
+        self.stream = stream
+        self.width = width
+        self.last = 0.0
+        self.start = time.perf_counter()
+
+    def __call__(self, done: int, total: int, hits: int, blocks: int) -> None:
+        now = time.perf_counter()
+        if now - self.last < 0.1 and done < total:
+            return
+        self.last = now
+        filled = math.floor(self.width * done / total) if total else self.width
+        bar = "#" * filled + "-" * (self.width - filled)
+        rate = done / (now - self.start) if now > self.start else 0.0
+        hit = hits / blocks if blocks else 0.0
+        self.stream.write(
+            f"\r[{bar}] {done}/{total} requests  hit rate {hit:.1%}  {rate:,.0f} req/s "
+        )
+        if done >= total:
+            self.stream.write("\n")
+        self.stream.flush()
+
+
+def run_replay(
+    requests: Sequence[Request], options: ReplayOptions, *, show_progress: bool = False
+) -> ReplayResult:
+    """Run `replay` on a fresh asyncio event loop."""
+    bar = ProgressBar() if show_progress else None
+    return anyio.run(lambda: replay(requests, options, progress=bar))

@@ -1,0 +1,661 @@
+"""The async shell around the chunk manager and a transfer backend.
+
+Design note: back-pressure, ordering and the convoy.
+
+- Everything here runs on the event loop thread, without locks. A backend
+  completes jobs in its own threads and drops each result in an inbox, waking
+  the loop with its ``run_sync_soon`` (non-blocking on asyncio and trio; one
+  wake-up per burst); `_drain_inbox` then updates the manager and wakes the
+  waiters. No task polls.
+- Dispatch is synchronous: `submit_nowait` and every completion call `_pump`,
+  which hands queued work to the backend while the direction's budget of bytes
+  in flight allows. A job larger than the whole budget still goes when nothing
+  else of its direction is in flight, so nothing waits forever.
+- Loads are on the time-to-first-token path: `_pump` serves the load queue
+  before the store queue, and the two directions have separate budgets, so a
+  burst of stores never delays a load.
+- Convoy: a load is cut into slices of at most ``slice_chunks`` chunks, and the
+  load queue is served round-robin, one slice per job per turn. A small load
+  submitted behind a large one (two requests sharing a prefix, say) waits for
+  one slice of it, not for the whole job.
+- Bounded: each direction queues at most ``max_queued_jobs`` jobs not yet fully
+  dispatched; `submit_nowait` raises `anyio.WouldBlock` past that and `submit`
+  waits for room.
+- Cancelling a job that has not started removes it and undoes its manager
+  state; a job with bytes in flight finishes, and its result stays consistent.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable, Generator, Sequence
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import msgspec
+import numpy as np
+
+from tiering._types import OffloadKey
+from tiering.cpu.common import CPULoadStoreSpec
+from tiering.cpu.manager import CPUOffloadingManager
+from tiering.errors import ConfigError, ResourceClosedError, SpecError
+from tiering.specs import GPULoadStoreSpec, IntArray
+from tiering.transfer.base import CompletionCallback, TransferBackend, TransferResult
+from tiering.transfer.layout import TransferDirection
+
+__all__ = [
+    "DirectionStatistics",
+    "JobHandle",
+    "JobKind",
+    "JobOutcome",
+    "JobResult",
+    "Scheduler",
+    "SchedulerLimits",
+    "SchedulerStatistics",
+    "chunk_block_ranges",
+    "chunk_count",
+    "select_chunks",
+]
+
+JobKind = TransferDirection
+
+
+class JobOutcome(enum.StrEnum):
+    """How a job ended."""
+
+    SUCCEEDED = "succeeded"  # every byte landed (or there was nothing to copy)
+    FAILED = "failed"  # the backend reported a failure; see ``error``
+    NO_ROOM = "no_room"  # a store found no room in the tier: nothing was copied
+    CANCELLED = "cancelled"  # removed before any byte moved (by the caller or by close)
+
+
+class JobResult(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """The result of a store or load job."""
+
+    job_id: int
+    kind: JobKind
+    outcome: JobOutcome
+    chunks: int  # chunks the job copied (or would have)
+    nbytes: int  # bytes moved on success
+    seconds: float  # time spent copying (sum over the job's slices)
+    latency: float  # from submission to completion
+    error: str | None = None
+
+    @property
+    def success(self) -> bool:
+        return self.outcome is JobOutcome.SUCCEEDED
+
+
+class SchedulerLimits(msgspec.Struct, frozen=True, kw_only=True):
+    """Bounds of the scheduler (read from ``extra_config`` by the engine)."""
+
+    max_queued_jobs: int = 1024  # per direction, not yet fully dispatched
+    max_inflight_bytes: int = 256 << 20  # per direction, handed to the backend
+    slice_chunks: int = 16  # chunks per load slice (the convoy bound)
+
+    def __post_init__(self) -> None:
+        for name in ("max_queued_jobs", "max_inflight_bytes", "slice_chunks"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"scheduler {name} must be a positive integer, got {value!r}")
+
+
+class DirectionStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    queued: int
+    in_flight: int
+    inflight_bytes: int
+    succeeded: int
+    failed: int
+    cancelled: int
+    no_room: int
+    bytes: int
+    seconds: float
+
+
+class SchedulerStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    state: str
+    stores: DirectionStatistics
+    loads: DirectionStatistics
+
+
+class _State(enum.Enum):
+    OPEN = "open"
+    CLOSING = "closing"
+    CLOSED = "closed"
+
+
+class _Slice(msgspec.Struct, gc=False):
+    gpu: GPULoadStoreSpec
+    cpu: CPULoadStoreSpec
+    nbytes: int
+
+
+class _Job:
+    __slots__ = (
+        "blocks",
+        "chunks",
+        "done",
+        "error",
+        "id",
+        "keys",
+        "kind",
+        "nbytes",
+        "pending",
+        "result",
+        "seconds",
+        "slices",
+        "started",
+        "submitted",
+    )
+
+    def __init__(self, job_id: int, kind: JobKind, keys: tuple[OffloadKey, ...]) -> None:
+        self.id = job_id
+        self.kind = kind
+        self.keys = keys
+        self.slices: deque[_Slice] = deque()
+        self.blocks: IntArray | None = None  # GPU blocks a store reads (for flush)
+        self.chunks = 0
+        self.nbytes = 0
+        self.pending = 0  # slices handed to the backend and not completed
+        self.started = False
+        self.seconds = 0.0
+        self.error: str | None = None
+        self.submitted = time.perf_counter()
+        self.done: anyio.Event | None = None  # made when someone waits (most never do)
+        self.result: JobResult | None = None
+
+    async def wait(self) -> JobResult:
+        if self.result is None:
+            if self.done is None:
+                self.done = anyio.Event()
+            await self.done.wait()
+        assert self.result is not None  # set before done is
+        return self.result
+
+
+class JobHandle:
+    """A submitted job. ``await handle`` gives its `JobResult`."""
+
+    __slots__ = ("_job", "_scheduler")
+
+    def __init__(self, job: _Job, scheduler: Scheduler) -> None:
+        self._job = job
+        self._scheduler = scheduler
+
+    @property
+    def job_id(self) -> int:
+        return self._job.id
+
+    @property
+    def kind(self) -> JobKind:
+        return self._job.kind
+
+    def done(self) -> bool:
+        return self._job.result is not None
+
+    def result(self) -> JobResult:
+        """The result of a finished job; `RuntimeError` if it has not finished."""
+        if self._job.result is None:
+            raise RuntimeError(f"job {self._job.id} has not finished; await it first")
+        return self._job.result
+
+    def cancel(self) -> bool:
+        """Remove the job if no byte of it has been handed to the backend yet.
+
+        Returns ``True`` if it was cancelled (its result says so), ``False`` if
+        it is already running or finished.
+        """
+        if self._job.started or self._job.result is not None:
+            return False
+        return self._scheduler._cancel(self._job)
+
+    async def wait(self) -> JobResult:
+        """The job's result, once it has finished (returns at once if it has)."""
+        return await self._job.wait()
+
+    def __await__(self) -> Generator[Any, None, JobResult]:
+        return self.wait().__await__()
+
+    def __repr__(self) -> str:
+        state = self._job.result.outcome.value if self._job.result else (
+            "running" if self._job.started else "queued"
+        )  # fmt: skip
+        return f"<JobHandle {self._job.kind.value} #{self._job.id} [{state}]>"
+
+
+class _Direction:
+    """Queue, budget and counters of one direction."""
+
+    __slots__ = (
+        "bytes",
+        "cancelled",
+        "failed",
+        "in_flight",
+        "inflight_bytes",
+        "no_room",
+        "queue",
+        "room",
+        "seconds",
+        "succeeded",
+    )
+
+    def __init__(self) -> None:
+        self.queue: deque[_Job] = deque()
+        self.room = anyio.Event()  # set when the queue shrinks; replaced after
+        self.in_flight = 0  # jobs with at least one slice at the backend
+        self.inflight_bytes = 0
+        self.succeeded = self.failed = self.cancelled = self.no_room = self.bytes = 0
+        self.seconds = 0.0
+
+    def statistics(self) -> DirectionStatistics:
+        return DirectionStatistics(
+            queued=len(self.queue),
+            in_flight=self.in_flight,
+            inflight_bytes=self.inflight_bytes,
+            succeeded=self.succeeded,
+            failed=self.failed,
+            cancelled=self.cancelled,
+            no_room=self.no_room,
+            bytes=self.bytes,
+            seconds=self.seconds,
+        )
+
+
+def chunk_count(spec: GPULoadStoreSpec, blocks_per_chunk: int) -> int:
+    """How many chunks ``spec`` covers (a group's first chunk may be partial)."""
+    count = 0
+    for size, first in zip(spec.group_sizes.tolist(), spec.block_indices.tolist(), strict=True):
+        if size:
+            count += -(-(first % blocks_per_chunk + size) // blocks_per_chunk)
+    return count
+
+
+def chunk_block_ranges(
+    spec: GPULoadStoreSpec, blocks_per_chunk: int
+) -> list[tuple[int, int, int, int]]:
+    """Every chunk of ``spec``, group after group: ``(start, stop, group, first)``.
+
+    ``spec.block_ids[start:stop]`` are the chunk's blocks and ``first`` the
+    position in the request of its first block. Group ``g``'s first chunk
+    holds ``blocks_per_chunk - block_indices[g] % blocks_per_chunk`` blocks
+    (fewer if the group has fewer).
+    """
+    chunks = []
+    start = 0
+    sizes, firsts = spec.group_sizes.tolist(), spec.block_indices.tolist()
+    for group, (size, first) in enumerate(zip(sizes, firsts, strict=True)):
+        pos, stop = start, start + size
+        while pos < stop:
+            end = min(pos + blocks_per_chunk - first % blocks_per_chunk, stop)
+            chunks.append((pos, end, group, first))
+            first += end - pos
+            pos = end
+        start = stop
+    return chunks
+
+
+def select_chunks(
+    spec: GPULoadStoreSpec, blocks_per_chunk: int, chosen: Sequence[int]
+) -> GPULoadStoreSpec:
+    """The sub-spec of ``spec`` holding its chunks ``chosen`` (indices, in order)."""
+    chunks = chunk_block_ranges(spec, blocks_per_chunk)
+    num_groups = len(spec.group_sizes)
+    sizes = [0] * num_groups
+    firsts = [0] * num_groups
+    parts = []
+    for i in chosen:
+        start, stop, group, first = chunks[i]
+        if sizes[group] == 0:
+            firsts[group] = first
+        sizes[group] += stop - start
+        parts.append(spec.block_ids[start:stop])
+    block_ids = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    return GPULoadStoreSpec(block_ids, sizes, firsts)
+
+
+class Scheduler:
+    """Queues store and load jobs and runs them on a transfer backend.
+
+    ``backend_factory`` is called once, at `open`, with the completion
+    callback the backend must call for every result. ``block_bytes[g]`` is the
+    size of one block of group ``g`` over all its tensors (for the budget).
+    Must be used from one event loop; `open` and `aclose` bracket its life.
+    """
+
+    def __init__(
+        self,
+        manager: CPUOffloadingManager,
+        backend_factory: Callable[[CompletionCallback], TransferBackend],
+        *,
+        blocks_per_chunk: int,
+        block_bytes: Sequence[int],
+        group_num_blocks: Sequence[int],
+        limits: SchedulerLimits | None = None,
+    ) -> None:
+        self._manager = manager
+        self._backend_factory = backend_factory
+        self._backend: TransferBackend | None = None
+        self._bpc = blocks_per_chunk
+        self._block_bytes = tuple(block_bytes)
+        self._group_num_blocks = tuple(group_num_blocks)
+        self.limits = limits or SchedulerLimits()
+        self._dirs = {kind: _Direction() for kind in JobKind}
+        self._job_ids = itertools.count()
+        self._slice_ids = itertools.count()
+        self._running: dict[int, tuple[_Job, _Slice]] = {}  # backend job id -> slice
+        self._stores: dict[int, _Job] = {}  # store jobs not finished (for flush)
+        self._state = _State.CLOSED
+        self._opened = False
+        self._idle = anyio.Event()  # set when no slice is at the backend
+        self._closed = anyio.Event()
+        self._token: anyio.lowlevel.EventLoopToken | None = None
+        self._inbox: deque[TransferResult] = deque()  # results from backend threads
+        self._wakeup_pending = False
+
+    @property
+    def backend(self) -> TransferBackend:
+        if self._backend is None:
+            raise ResourceClosedError("the scheduler is not open")
+        return self._backend
+
+    # -- life -----------------------------------------------------------------
+
+    def open(self) -> None:
+        """Start: build the backend, bound to the running event loop."""
+        if self._opened:
+            raise ResourceClosedError("a scheduler is opened once; build a new one")
+        self._opened = True
+        self._token = anyio.lowlevel.current_token()
+        self._backend = self._backend_factory(self._from_backend)
+        self._state = _State.OPEN
+
+    async def aclose(self) -> None:
+        """Cancel queued jobs, let running ones finish, close the backend. Idempotent."""
+        if self._state is not _State.OPEN:
+            if self._state is _State.CLOSING:
+                await self._closed.wait()
+            return
+        self._state = _State.CLOSING
+        try:
+            for direction in self._dirs.values():
+                for job in [j for j in direction.queue if not j.started]:
+                    self._cancel(job)
+                direction.room.set()
+            self._pump()  # started loads still have slices to hand over
+            while self._running:
+                self._idle = anyio.Event()
+                await self._idle.wait()
+        finally:
+            backend, self._backend = self._backend, None
+            if backend is not None:
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(backend.close)
+            self._state = _State.CLOSED
+            self._closed.set()
+
+    # -- submission ----------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._state is not _State.OPEN:
+            raise ResourceClosedError(f"the scheduler is {self._state.value}; no new jobs")
+
+    def _check_spec(self, keys: Sequence[OffloadKey], gpu: GPULoadStoreSpec) -> None:
+        sizes = gpu.group_sizes.tolist()
+        if len(sizes) > len(self._group_num_blocks):
+            raise SpecError(
+                f"the GPU spec has {len(sizes)} groups but the KV cache has "
+                f"{len(self._group_num_blocks)}"
+            )
+        chunks = chunk_count(gpu, self._bpc)
+        if chunks != len(keys):
+            raise SpecError(
+                f"{len(keys)} keys for a GPU spec of {chunks} chunks "
+                f"({len(gpu.block_ids)} blocks, group_sizes {sizes}, "
+                f"{self._bpc} blocks per chunk); give one key per chunk"
+            )
+        start = 0
+        for g, size in enumerate(sizes):
+            if size:
+                top = int(gpu.block_ids[start : start + size].max())
+                if top >= self._group_num_blocks[g]:
+                    raise SpecError(
+                        f"GPU block id {top} of group {g} is past the end of the KV cache "
+                        f"({self._group_num_blocks[g]} blocks)"
+                    )
+            start += size
+
+    def _bytes_of(self, gpu: GPULoadStoreSpec) -> int:
+        return sum(n * b for n, b in zip(gpu.group_sizes.tolist(), self._block_bytes, strict=False))
+
+    def submit_nowait(
+        self, kind: JobKind, keys: Sequence[OffloadKey], gpu: GPULoadStoreSpec
+    ) -> JobHandle:
+        """Queue a store or load of ``keys`` (one per chunk of ``gpu``); never waits.
+
+        Raises `anyio.WouldBlock` when the direction's queue is full, `SpecError`
+        for a spec that does not fit the keys or the KV cache, the manager's
+        errors for loads of chunks that are not ready, `ResourceClosedError`
+        after close. A store of keys all present, or one that finds no room,
+        returns an already finished handle.
+        """
+        self._check_open()
+        direction = self._dirs[kind]
+        if len(direction.queue) >= self.limits.max_queued_jobs:
+            raise anyio.WouldBlock
+        self._check_spec(keys, gpu)
+        job = _Job(next(self._job_ids), kind, tuple(keys))
+        handle = JobHandle(job, self)
+        if kind is JobKind.STORE:
+            output = self._manager.prepare_store(keys)
+            if output is None:
+                self._finish(job, JobOutcome.NO_ROOM, "no room in the CPU tier: every chunk is "
+                             "pinned, being written or offered by this store")  # fmt: skip
+                return handle
+            if not output.keys_to_store:
+                self._finish(job, JobOutcome.SUCCEEDED)
+                return handle
+            if len(output.keys_to_store) == len(keys):
+                sub = gpu
+            else:
+                index = {key: i for i, key in enumerate(keys)}
+                chosen = [index[key] for key in output.keys_to_store]
+                sub = select_chunks(gpu, self._bpc, chosen)
+            job.keys = output.keys_to_store
+            job.blocks = sub.block_ids
+            job.chunks = len(job.keys)
+            job.nbytes = self._bytes_of(sub)
+            job.slices.append(_Slice(gpu=sub, cpu=output.store_spec, nbytes=job.nbytes))
+            self._stores[job.id] = job
+        else:
+            cpu = self._manager.prepare_load(keys, job=("scheduler", job.id))
+            job.chunks = len(keys)
+            step = self.limits.slice_chunks
+            if len(keys) <= step:
+                job.slices.append(_Slice(gpu=gpu, cpu=cpu, nbytes=self._bytes_of(gpu)))
+            else:
+                for lo in range(0, len(keys), step):
+                    span = range(lo, min(lo + step, len(keys)))
+                    sub = select_chunks(gpu, self._bpc, span)
+                    part = CPULoadStoreSpec.from_valid_ids(cpu.chunk_ids[lo : lo + step].tolist())
+                    job.slices.append(_Slice(gpu=sub, cpu=part, nbytes=self._bytes_of(sub)))
+            job.nbytes = sum(s.nbytes for s in job.slices)
+        direction.queue.append(job)
+        self._pump()
+        return handle
+
+    async def submit(
+        self, kind: JobKind, keys: Sequence[OffloadKey], gpu: GPULoadStoreSpec
+    ) -> JobHandle:
+        """As `submit_nowait`, but waits for room in the queue instead of raising."""
+        direction = self._dirs[kind]
+        while True:
+            try:
+                return self.submit_nowait(kind, keys, gpu)
+            except anyio.WouldBlock:
+                if direction.room.is_set():
+                    direction.room = anyio.Event()
+                await direction.room.wait()
+
+    async def flush(self, block_ids: Sequence[int] | IntArray) -> None:
+        """Return once no store submitted before this call still reads ``block_ids``."""
+        ids = np.asarray(block_ids, dtype=np.int64)
+        waiting = [
+            job
+            for job in self._stores.values()
+            if job.blocks is not None and bool(np.isin(job.blocks, ids).any())
+        ]
+        for job in waiting:
+            await job.wait()
+
+    # -- dispatch and completion ---------------------------------------------
+
+    def _pump(self) -> None:
+        backend = self._backend
+        if backend is None:
+            return
+        budget = self.limits.max_inflight_bytes
+        for kind in (JobKind.LOAD, JobKind.STORE):  # loads first
+            direction = self._dirs[kind]
+            queue = direction.queue
+            shrunk = False
+            while queue:
+                job = queue[0]
+                piece = job.slices[0]
+                if direction.inflight_bytes and direction.inflight_bytes + piece.nbytes > budget:
+                    break
+                queue.popleft()
+                job.slices.popleft()
+                if job.slices:
+                    queue.append(job)  # round-robin: one slice per job per turn
+                else:
+                    shrunk = True
+                self._dispatch(backend, direction, job, piece)
+            if shrunk:
+                direction.room.set()
+
+    def _dispatch(
+        self, backend: TransferBackend, direction: _Direction, job: _Job, piece: _Slice
+    ) -> None:
+        if not job.started:
+            job.started = True
+            direction.in_flight += 1
+        slice_id = next(self._slice_ids)
+        src, dst = (piece.gpu, piece.cpu) if job.kind is JobKind.STORE else (piece.cpu, piece.gpu)
+        self._running[slice_id] = (job, piece)
+        direction.inflight_bytes += piece.nbytes
+        job.pending += 1
+        try:
+            backend.submit(slice_id, src, dst)
+        except Exception as exc:  # a spec the backend refuses: the job fails, we go on
+            self._complete_slice(
+                slice_id, success=False, seconds=0.0, error=f"{type(exc).__name__}: {exc}"
+            )
+
+    def _from_backend(self, result: TransferResult) -> None:
+        """The backend's completion callback: runs in a backend thread.
+
+        Results go to an inbox (``deque.append`` is atomic); the loop is woken
+        only when no wake-up is already pending, so a burst of completions
+        costs one wake-up. Clearing the flag before draining means a result
+        appended during a drain schedules another: none is ever stranded.
+        """
+        self._inbox.append(result)
+        if not self._wakeup_pending:
+            self._wakeup_pending = True
+            token = self._token
+            if token is not None:
+                token.backend_class.run_sync_soon(self._drain_inbox, (), token.native_token)
+
+    def _drain_inbox(self) -> None:
+        self._wakeup_pending = False
+        inbox = self._inbox
+        while inbox:
+            result = inbox.popleft()
+            self._complete_slice(
+                result.job_id, success=result.success, seconds=result.seconds, error=result.error
+            )
+        self._pump()
+
+    def _complete_slice(
+        self, slice_id: int, *, success: bool, seconds: float, error: str | None
+    ) -> None:
+        entry = self._running.pop(slice_id, None)
+        if entry is None:
+            return
+        job, piece = entry
+        direction = self._dirs[job.kind]
+        direction.inflight_bytes -= piece.nbytes
+        job.pending -= 1
+        job.seconds += seconds
+        if not success and job.error is None:
+            job.error = error or "transfer failed"
+        if job.pending == 0 and not job.slices:
+            direction.in_flight -= 1
+            ok = job.error is None
+            if job.kind is JobKind.STORE:
+                self._manager.complete_store(job.keys, ok)
+            else:
+                self._manager.complete_load(job=("scheduler", job.id))
+            self._finish(job, JobOutcome.SUCCEEDED if ok else JobOutcome.FAILED, job.error)
+        if not self._running:
+            self._idle.set()
+
+    def _finish(self, job: _Job, outcome: JobOutcome, error: str | None = None) -> None:
+        direction = self._dirs[job.kind]
+        if outcome is JobOutcome.SUCCEEDED:
+            direction.succeeded += 1
+            direction.bytes += job.nbytes
+            direction.seconds += job.seconds
+        elif outcome is JobOutcome.FAILED:
+            direction.failed += 1
+        elif outcome is JobOutcome.CANCELLED:
+            direction.cancelled += 1
+        else:
+            direction.no_room += 1
+        self._stores.pop(job.id, None)
+        job.result = JobResult(
+            job_id=job.id,
+            kind=job.kind,
+            outcome=outcome,
+            chunks=job.chunks,
+            nbytes=job.nbytes if outcome is JobOutcome.SUCCEEDED else 0,
+            seconds=job.seconds,
+            latency=time.perf_counter() - job.submitted,
+            error=error,
+        )
+        if job.done is not None:
+            job.done.set()
+
+    def _cancel(self, job: _Job) -> bool:
+        direction = self._dirs[job.kind]
+        try:
+            direction.queue.remove(job)
+        except ValueError:
+            return False
+        if job.kind is JobKind.STORE:
+            self._manager.complete_store(job.keys, success=False)
+        else:
+            self._manager.complete_load(job=("scheduler", job.id))
+        self._finish(job, JobOutcome.CANCELLED, "cancelled before it started")
+        direction.room.set()
+        return True
+
+    # -- seeing state ---------------------------------------------------------
+
+    def statistics(self) -> SchedulerStatistics:
+        return SchedulerStatistics(
+            state=self._state.value,
+            stores=self._dirs[JobKind.STORE].statistics(),
+            loads=self._dirs[JobKind.LOAD].statistics(),
+        )
+
+    def __repr__(self) -> str:
+        s, ld = self._dirs[JobKind.STORE], self._dirs[JobKind.LOAD]
+        return (
+            f"<Scheduler [{self._state.value}; loads: {len(ld.queue)} queued, {ld.in_flight} "
+            f"running; stores: {len(s.queue)} queued, {s.in_flight} running]>"
+        )
