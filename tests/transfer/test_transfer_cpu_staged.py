@@ -1,0 +1,129 @@
+"""The cpu copier's staged path (gather into a staging buffer, scatter from it), byte for byte."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from tiering.cpu.common import CPULoadStoreSpec
+from tiering.specs import GPULoadStoreSpec
+from tiering.transfer import HostMemoryPool, KVCacheTensor, KVLayout, TransferDirection
+from tiering.transfer.cpu import PageCopier
+
+# Two tensors in group 0, one in group 1; a staging buffer of 8 KiB holds two
+# 4 KiB pages, so every job below is several pieces.
+PAGES = ((0, 4096), (0, 1024), (1, 2048))
+STAGING = 8192
+NUM_BLOCKS = 48
+
+
+def _rig(bpc: int, num_chunks: int) -> tuple[KVLayout, HostMemoryPool, list[torch.Tensor]]:
+    kv = [torch.zeros(NUM_BLOCKS, page, dtype=torch.uint8) for _, page in PAGES]
+    layout = KVLayout(
+        [
+            KVCacheTensor(t, num_blocks=NUM_BLOCKS, page_bytes=page, group=g)
+            for t, (g, page) in zip(kv, PAGES, strict=True)
+        ],
+        blocks_per_chunk=bpc,
+    )
+    return layout, HostMemoryPool(layout.pool_bytes(num_chunks)), kv
+
+
+def _randomize(rng: np.random.Generator, tensors: list[torch.Tensor]) -> None:
+    for t in tensors:
+        t.view(-1).copy_(torch.from_numpy(rng.integers(0, 256, t.numel(), dtype=np.uint8)))
+
+
+def _spy(copier: PageCopier, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record which path each group of each job takes."""
+    calls: list[str] = []
+    staged, direct = copier._copy_staged, copier._copy_group
+
+    def spy_staged(*args: Any) -> None:
+        calls.append("staged")
+        staged(*args)
+
+    def spy_direct(*args: Any) -> None:
+        calls.append("direct")
+        direct(*args)
+
+    monkeypatch.setattr(copier, "_copy_staged", spy_staged)
+    monkeypatch.setattr(copier, "_copy_group", spy_direct)
+    return calls
+
+
+@pytest.mark.parametrize("bpc", [1, 4])
+def test_staged_round_trip_is_byte_exact(bpc: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(7)
+    chunks_per_group = 16 // bpc * 2  # 32 blocks per group: many pieces of the buffer
+    n = chunks_per_group * bpc
+    num_chunks = 2 * chunks_per_group + 3
+    layout, pool, kv = _rig(bpc, num_chunks)
+    # The same job through the direct path, into a second pool, as the reference.
+    ref_pool = HostMemoryPool(layout.pool_bytes(num_chunks))
+    staged = PageCopier(layout, pool, staging_bytes=STAGING, stage_below_bytes=1 << 30)
+    direct = PageCopier(layout, ref_pool, stage_below_bytes=0)
+    calls = _spy(staged, monkeypatch)
+    try:
+        assert n * 4096 > STAGING
+        _randomize(rng, kv)
+        pool.tensor.fill_(0xA5)
+        ref_pool.tensor.fill_(0xA5)
+        # Scattered on both sides: shuffled blocks, shuffled chunk ids.
+        src = [rng.permutation(NUM_BLOCKS)[:n].tolist() for _ in range(2)]
+        chunks = rng.permutation(num_chunks)[: 2 * chunks_per_group].tolist()
+        store = layout.plan(
+            GPULoadStoreSpec(src[0] + src[1], [n, n]), CPULoadStoreSpec(chunks), num_chunks
+        )
+        assert store.direction is TransferDirection.STORE
+        staged.copy(store)
+        direct.copy(store)
+        assert calls == ["staged", "staged"]
+        # Every pool byte, padding included, is what the direct path wrote.
+        assert torch.equal(pool.tensor, ref_pool.tensor)
+        original = [t.clone() for t in kv]
+
+        # Load into other blocks, starting part-way into the first chunk when it can.
+        skip = bpc - 1
+        _randomize(rng, kv)
+        before = [t.clone() for t in kv]
+        dst = [rng.permutation(NUM_BLOCKS)[: n - skip].tolist() for _ in range(2)]
+        load = layout.plan(
+            CPULoadStoreSpec(chunks),
+            GPULoadStoreSpec(dst[0] + dst[1], [n - skip] * 2, [skip, skip]),
+            num_chunks,
+        )
+        calls.clear()
+        staged.copy(load)
+        assert calls == ["staged", "staged"]
+        for t, (g, _) in enumerate(PAGES):
+            assert torch.equal(kv[t][dst[g]], original[t][src[g][skip:]])
+            untouched = sorted(set(range(NUM_BLOCKS)) - set(dst[g]))
+            assert torch.equal(kv[t][untouched], before[t][untouched])
+    finally:
+        staged.close()
+        direct.close()
+        pool.close()
+        ref_pool.close()
+
+
+def test_path_is_chosen_by_run_length(monkeypatch: pytest.MonkeyPatch) -> None:
+    layout, pool, _ = _rig(1, 8)
+    copier = PageCopier(layout, pool, staging_bytes=STAGING, stage_below_bytes=8192)
+    calls = _spy(copier, monkeypatch)
+
+    def store(blocks: list[int], chunks: list[int]) -> None:
+        spec = GPULoadStoreSpec(blocks, [len(blocks), 0])
+        copier.copy(layout.plan(spec, CPULoadStoreSpec(chunks), 8))
+
+    try:
+        store([3, 4, 5, 6], [0, 1, 2, 3])  # consecutive on both sides: slice copies
+        store([3, 2, 1, 0], [4, 5, 6, 7])  # one run of 4 slots: 4 * (4096 + 1024) / 2 per op
+        store([9, 3, 7, 1], [6, 1, 4, 2])  # runs of one page: 2560 bytes per op
+        assert calls == ["direct", "direct", "staged"]
+    finally:
+        copier.close()
+        pool.close()
