@@ -326,3 +326,84 @@ def test_engine_statistics_nest_the_parts() -> None:
     assert stats.pool is None
     assert engine.info.cpu_num_chunks == 4
     assert np.isclose(engine.info.cpu_kv_cache_size_bytes or 0, 4 * engine.layout.row_bytes)
+
+
+async def test_a_full_backend_holds_jobs_back_instead_of_failing_them(anyio_backend: str) -> None:
+    async with TieringEngine(
+        config(), kv_caches(), cpu_bytes=8 * CHUNK_BYTES, backend="mock",
+        backend_options={"gated": True, "max_in_flight": 2},
+    ) as engine:  # fmt: skip
+        handles = [engine.submit_store_nowait(keys(i), spec([i])) for i in range(5)]
+        assert len(mock(engine).submitted) == 2  # the rest wait in the queue
+        mock(engine).open_gate()
+        with anyio.fail_after(10):
+            for handle in handles:
+                assert (await handle).success
+
+
+async def test_a_cancelled_close_still_finishes_running_jobs(anyio_backend: str) -> None:
+    engine = TieringEngine(
+        config(), kv_caches(), cpu_bytes=8 * CHUNK_BYTES, backend="mock",
+        backend_options={"gated": True},
+        limits=SchedulerLimits(slice_chunks=1, max_load_slices=1),
+    )  # fmt: skip
+    async with anyio.create_task_group() as tg:
+        await engine.__aenter__()
+        mock(engine).open_gate()
+        with anyio.fail_after(10):
+            await (await engine.submit_store(keys(1, 2, 3), spec([1, 2, 3])))
+        mock(engine).close_gate()
+        load = engine.submit_load_nowait(keys(1, 2, 3), spec([5, 6, 7]))  # 3 slices, 1 at a time
+        backend = mock(engine)
+
+        async def close_cancelled() -> None:
+            with anyio.CancelScope() as scope:
+                scope.cancel()
+                await engine.aclose()
+
+        tg.start_soon(close_cancelled)
+        await wait_all_tasks_blocked()
+        backend.open_gate()
+    with anyio.fail_after(10):
+        result = await load
+    assert result.success
+    assert engine.manager.statistics().pinned == 0
+    assert engine.statistics().state == "closed"
+
+
+async def test_a_spec_the_layout_refuses_changes_nothing(anyio_backend: str) -> None:
+    async with TieringEngine(config(2), kv_caches(), cpu_bytes=2 * CHUNK_BYTES * 2) as engine:
+        with anyio.fail_after(10):
+            await (await engine.submit_store(keys(1, 2), spec(range(4))))
+        with pytest.raises(SpecError, match=r"end.* chunk boundary"):
+            engine.submit_store_nowait(keys(3, 4), spec([10, 11, 12]))
+        with pytest.raises(SpecError, match="starts at block 1"):
+            engine.submit_store_nowait(keys(3), GPULoadStoreSpec([10], [1], [1]))
+        with pytest.raises(SpecError, match="more than once"):
+            engine.submit_load_nowait(keys(1), spec([20, 20]))
+        with pytest.raises(SpecError, match="2 groups"):
+            engine.submit_store_nowait(keys(3), GPULoadStoreSpec([10, 11], [1, 1]))
+        stats = engine.manager.statistics()
+        assert (stats.ready, stats.evictions_total, stats.pinned) == (2, 0, 0)
+
+
+async def test_with_default_limits_a_small_load_overtakes_a_large_one(anyio_backend: str) -> None:
+    async with TieringEngine(
+        config(), kv_caches(), cpu_bytes=128 * CHUNK_BYTES, backend="mock",
+        backend_options={"gated": True},
+    ) as engine:  # fmt: skip
+        mock(engine).open_gate()
+        with anyio.fail_after(10):
+            await (await engine.submit_store(keys(*range(64)), spec(range(64))))
+            await (await engine.submit_store(keys(99), spec([99])))
+        mock(engine).close_gate()
+        seen = len(mock(engine).submitted)
+        large = engine.submit_load_nowait(keys(*range(64)), spec(range(100, 164)))
+        small = engine.submit_load_nowait(keys(99), spec([200]))
+        mock(engine).open_gate()
+        with anyio.fail_after(10):
+            assert (await small).success
+            assert not large.done()
+            assert (await large).success
+        sizes = [len(j.src) for j in mock(engine).submitted[seen:]]  # type: ignore[arg-type]
+        assert sizes == [16, 16, 16, 1, 16]

@@ -72,7 +72,7 @@ async def test_verify_finds_bytes_that_did_not_land(anyio_backend: str) -> None:
         backend_options={"copy": False},
     )
     assert result.loaded_chunks > 0
-    assert result.corrupt_chunks > 0
+    assert result.corrupt_chunks == result.loaded_chunks  # every one, even a same-key block
 
 
 async def test_failed_transfers_are_counted_and_the_replay_goes_on(anyio_backend: str) -> None:

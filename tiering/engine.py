@@ -59,7 +59,7 @@ _LIMIT_KEYS = frozenset(SchedulerLimits.__struct_fields__)
 
 class PrefixLookup(msgspec.Struct, frozen=True):
     """A request's chunks from the head: ``ready`` to load, then ``pending`` (being
-    written), then ``missing`` (the rest, from the first chunk that is absent)."""
+    written), then ``missing``: all the chunks after those."""
 
     ready: int
     pending: int
@@ -229,8 +229,8 @@ class TieringEngine:
 
     @property
     def backend(self) -> TransferBackend:
-        """The transfer backend (while the engine is open)."""
-        if self._backend is None:
+        """The transfer backend (while the engine is open or closing)."""
+        if self._backend is None or self._state not in (_State.OPEN, _State.CLOSING):
             raise ResourceClosedError(f"the engine is {self._state.value}; no backend")
         return self._backend
 

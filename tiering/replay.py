@@ -48,6 +48,7 @@ from tiering.workload import Request
 __all__ = ["ReplayOptions", "ReplayResult", "replay", "run_replay"]
 
 _MIX = 0x9E3779B97F4A7C15 - (1 << 64)  # golden-ratio multiplier, as a signed int64
+_POISON = -0x2152411021524111  # 0xDEADBEEFDEADBEEF: a constant page, which no key derives
 
 
 class ReplayOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -219,6 +220,8 @@ async def replay(
                 pages.fill(blocks[hits:], keys[hits:])
             load: JobHandle | None = None
             if hits:
+                if options.verify:  # no key derives these bytes: a load that never lands shows
+                    kv.index_fill_(0, blocks[:hits], _POISON)
                 load = await engine.submit_load(
                     keys[:hits], GPULoadStoreSpec(blocks[:hits].numpy())
                 )

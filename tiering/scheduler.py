@@ -27,8 +27,10 @@ Design note: back-pressure, ordering and the convoy.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import itertools
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
@@ -42,7 +44,7 @@ import numpy as np
 from tiering._types import OffloadKey
 from tiering.cpu.common import CPULoadStoreSpec
 from tiering.cpu.manager import CPUOffloadingManager
-from tiering.errors import ConfigError, ResourceClosedError, SpecError
+from tiering.errors import CapacityError, ConfigError, ResourceClosedError, SpecError
 from tiering.specs import GPULoadStoreSpec, IntArray
 from tiering.transfer.base import CompletionCallback, TransferBackend, TransferResult
 from tiering.transfer.layout import TransferDirection
@@ -62,6 +64,8 @@ __all__ = [
 ]
 
 JobKind = TransferDirection
+
+logger = logging.getLogger(__name__)
 
 
 class JobOutcome(enum.StrEnum):
@@ -96,9 +100,10 @@ class SchedulerLimits(msgspec.Struct, frozen=True, kw_only=True):
     max_queued_jobs: int = 1024  # per direction, not yet fully dispatched
     max_inflight_bytes: int = 256 << 20  # per direction, handed to the backend
     slice_chunks: int = 16  # chunks per load slice (the convoy bound)
+    max_load_slices: int = 2  # load slices at the backend at once (the convoy bound)
 
     def __post_init__(self) -> None:
-        for name in ("max_queued_jobs", "max_inflight_bytes", "slice_chunks"):
+        for name in ("max_queued_jobs", "max_inflight_bytes", "slice_chunks", "max_load_slices"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"scheduler {name} must be a positive integer, got {value!r}")
@@ -240,6 +245,7 @@ class _Direction:
         "queue",
         "room",
         "seconds",
+        "slices",
         "succeeded",
     )
 
@@ -247,6 +253,7 @@ class _Direction:
         self.queue: deque[_Job] = deque()
         self.room = anyio.Event()  # set when the queue shrinks; replaced after
         self.in_flight = 0  # jobs with at least one slice at the backend
+        self.slices = 0  # slices at the backend
         self.inflight_bytes = 0
         self.succeeded = self.failed = self.cancelled = self.no_room = self.bytes = 0
         self.seconds = 0.0
@@ -386,16 +393,33 @@ class Scheduler:
                     self._cancel(job)
                 direction.room.set()
             self._pump()  # started loads still have slices to hand over
-            while self._running:
-                self._idle = anyio.Event()
-                await self._idle.wait()
+            with anyio.CancelScope(shield=True):  # running jobs finish, even on cancellation
+                while self._running or any(d.queue for d in self._dirs.values()):
+                    self._idle = anyio.Event()
+                    await self._idle.wait()
         finally:
             backend, self._backend = self._backend, None
             if backend is not None:
                 with anyio.CancelScope(shield=True):
                     await anyio.to_thread.run_sync(backend.close)
+            self._drain_inbox()
+            self._abandon("the scheduler closed before the job could finish")
             self._state = _State.CLOSED
             self._closed.set()
+
+    def _abandon(self, reason: str) -> None:
+        """End every job still unfinished as failed, undoing its manager state."""
+        jobs = {id(job): job for job, _ in self._running.values()}
+        for direction in self._dirs.values():
+            jobs.update((id(job), job) for job in direction.queue)
+            direction.queue.clear()
+            direction.room.set()
+        self._running.clear()
+        for job in jobs.values():
+            job.slices.clear()
+            job.pending = 0
+            if job.result is None:
+                self._end(job, ok=False, error=reason)
 
     # -- submission ----------------------------------------------------------
 
@@ -403,13 +427,28 @@ class Scheduler:
         if self._state is not _State.OPEN:
             raise ResourceClosedError(f"the scheduler is {self._state.value}; no new jobs")
 
-    def _check_spec(self, keys: Sequence[OffloadKey], gpu: GPULoadStoreSpec) -> None:
+    def _check_spec(self, kind: JobKind, keys: Sequence[OffloadKey], gpu: GPULoadStoreSpec) -> None:
+        """Refuse a spec the layout would refuse, before the manager changes anything."""
         sizes = gpu.group_sizes.tolist()
-        if len(sizes) > len(self._group_num_blocks):
+        if len(sizes) != len(self._group_num_blocks):
             raise SpecError(
                 f"the GPU spec has {len(sizes)} groups but the KV cache has "
-                f"{len(self._group_num_blocks)}"
+                f"{len(self._group_num_blocks)}; give one group size per KV-cache group"
             )
+        bpc = self._bpc
+        for g, (size, first) in enumerate(zip(sizes, gpu.block_indices.tolist(), strict=True)):
+            if not size:
+                continue
+            if kind is JobKind.STORE and first % bpc:
+                raise SpecError(
+                    f"a store of group {g} starts at block {first}, inside a chunk of {bpc} "
+                    "blocks; stores copy whole chunks"
+                )
+            if (first + size) % bpc:
+                raise SpecError(
+                    f"group {g}'s blocks end at block {first + size}, inside a chunk of {bpc} "
+                    "blocks; a job ends on a chunk boundary"
+                )
         chunks = chunk_count(gpu, self._bpc)
         if chunks != len(keys):
             raise SpecError(
@@ -420,11 +459,17 @@ class Scheduler:
         start = 0
         for g, size in enumerate(sizes):
             if size:
-                top = int(gpu.block_ids[start : start + size].max())
+                ids = gpu.block_ids[start : start + size]
+                top = int(ids.max())
                 if top >= self._group_num_blocks[g]:
                     raise SpecError(
                         f"GPU block id {top} of group {g} is past the end of the KV cache "
                         f"({self._group_num_blocks[g]} blocks)"
+                    )
+                if kind is JobKind.LOAD and size > 1 and len(np.unique(ids)) != size:
+                    raise SpecError(
+                        f"a load names GPU block ids of group {g} more than once "
+                        f"({ids.tolist()}); every destination block must be distinct"
                     )
             start += size
 
@@ -446,11 +491,11 @@ class Scheduler:
         direction = self._dirs[kind]
         if len(direction.queue) >= self.limits.max_queued_jobs:
             raise anyio.WouldBlock
-        self._check_spec(keys, gpu)
+        self._check_spec(kind, keys, gpu)
         job = _Job(next(self._job_ids), kind, tuple(keys))
         handle = JobHandle(job, self)
         if kind is JobKind.STORE:
-            output = self._manager.prepare_store(keys)
+            output = self._manager.prepare_store(keys, job=("scheduler", job.id))
             if output is None:
                 self._finish(job, JobOutcome.NO_ROOM, "no room in the CPU tier: every chunk is "
                              "pinned, being written or offered by this store")  # fmt: skip
@@ -461,7 +506,9 @@ class Scheduler:
             if len(output.keys_to_store) == len(keys):
                 sub = gpu
             else:
-                index = {key: i for i, key in enumerate(keys)}
+                index: dict[OffloadKey, int] = {}
+                for i, key in enumerate(keys):
+                    index.setdefault(key, i)
                 chosen = [index[key] for key in output.keys_to_store]
                 sub = select_chunks(gpu, self._bpc, chosen)
             job.keys = output.keys_to_store
@@ -521,39 +568,53 @@ class Scheduler:
         for kind in (JobKind.LOAD, JobKind.STORE):  # loads first
             direction = self._dirs[kind]
             queue = direction.queue
+            # The backend runs a direction in order: a load slice handed over
+            # is a slice every later load waits for, so loads keep few there.
+            most = self.limits.max_load_slices if kind is JobKind.LOAD else None
             shrunk = False
             while queue:
                 job = queue[0]
                 piece = job.slices[0]
                 if direction.inflight_bytes and direction.inflight_bytes + piece.nbytes > budget:
                     break
+                if most is not None and direction.slices >= most:
+                    break
+                if not self._dispatch(backend, direction, job, piece):
+                    break  # the backend is full: the next completion pumps again
                 queue.popleft()
                 job.slices.popleft()
                 if job.slices:
                     queue.append(job)  # round-robin: one slice per job per turn
                 else:
                     shrunk = True
-                self._dispatch(backend, direction, job, piece)
             if shrunk:
                 direction.room.set()
 
     def _dispatch(
         self, backend: TransferBackend, direction: _Direction, job: _Job, piece: _Slice
-    ) -> None:
+    ) -> bool:
+        """Hand ``piece`` to the backend; ``False`` (and nothing done) if it is full."""
+        slice_id = next(self._slice_ids)
+        src, dst = (piece.gpu, piece.cpu) if job.kind is JobKind.STORE else (piece.cpu, piece.gpu)
+        error: str | None = None
+        try:
+            backend.submit(slice_id, src, dst)
+        except CapacityError:
+            if self._running:
+                return False  # back-pressure from the backend, not a failure
+            error = "the backend refused a job with nothing else in flight"
+        except Exception as exc:  # a spec the backend refuses: the job fails, we go on
+            error = f"{type(exc).__name__}: {exc}"
         if not job.started:
             job.started = True
             direction.in_flight += 1
-        slice_id = next(self._slice_ids)
-        src, dst = (piece.gpu, piece.cpu) if job.kind is JobKind.STORE else (piece.cpu, piece.gpu)
         self._running[slice_id] = (job, piece)
         direction.inflight_bytes += piece.nbytes
+        direction.slices += 1
         job.pending += 1
-        try:
-            backend.submit(slice_id, src, dst)
-        except Exception as exc:  # a spec the backend refuses: the job fails, we go on
-            self._complete_slice(
-                slice_id, success=False, seconds=0.0, error=f"{type(exc).__name__}: {exc}"
-            )
+        if error is not None:
+            self._complete_slice(slice_id, success=False, seconds=0.0, error=error)
+        return True
 
     def _from_backend(self, result: TransferResult) -> None:
         """The backend's completion callback: runs in a backend thread.
@@ -571,14 +632,24 @@ class Scheduler:
                 token.backend_class.run_sync_soon(self._drain_inbox, (), token.native_token)
 
     def _drain_inbox(self) -> None:
+        """Apply the results in the inbox (a loop callback: it must never raise)."""
         self._wakeup_pending = False
         inbox = self._inbox
-        while inbox:
-            result = inbox.popleft()
-            self._complete_slice(
-                result.job_id, success=result.success, seconds=result.seconds, error=result.error
-            )
-        self._pump()
+        try:
+            while inbox:
+                result = inbox.popleft()
+                try:
+                    self._complete_slice(
+                        result.job_id,
+                        success=result.success,
+                        seconds=result.seconds,
+                        error=result.error,
+                    )
+                except Exception:  # a bug: say so, keep every other job going
+                    logger.exception("scheduler: completing transfer %d failed", result.job_id)
+            self._pump()
+        except Exception:
+            logger.exception("scheduler: dispatching after a completion failed")
 
     def _complete_slice(
         self, slice_id: int, *, success: bool, seconds: float, error: str | None
@@ -589,20 +660,29 @@ class Scheduler:
         job, piece = entry
         direction = self._dirs[job.kind]
         direction.inflight_bytes -= piece.nbytes
+        direction.slices -= 1
         job.pending -= 1
         job.seconds += seconds
         if not success and job.error is None:
             job.error = error or "transfer failed"
+            if job.slices:  # the job has failed: its remaining slices need not run
+                job.slices.clear()
+                with contextlib.suppress(ValueError):
+                    direction.queue.remove(job)
+                direction.room.set()
         if job.pending == 0 and not job.slices:
-            direction.in_flight -= 1
-            ok = job.error is None
-            if job.kind is JobKind.STORE:
-                self._manager.complete_store(job.keys, ok)
-            else:
-                self._manager.complete_load(job=("scheduler", job.id))
-            self._finish(job, JobOutcome.SUCCEEDED if ok else JobOutcome.FAILED, job.error)
+            self._end(job, ok=job.error is None, error=job.error)
         if not self._running:
             self._idle.set()
+
+    def _end(self, job: _Job, *, ok: bool, error: str | None) -> None:
+        """Release a started job's manager state and finish it."""
+        self._dirs[job.kind].in_flight -= 1
+        if job.kind is JobKind.STORE:
+            self._manager.complete_store(job=("scheduler", job.id), success=ok)
+        else:
+            self._manager.complete_load(job=("scheduler", job.id))
+        self._finish(job, JobOutcome.SUCCEEDED if ok else JobOutcome.FAILED, error)
 
     def _finish(self, job: _Job, outcome: JobOutcome, error: str | None = None) -> None:
         direction = self._dirs[job.kind]
@@ -637,7 +717,7 @@ class Scheduler:
         except ValueError:
             return False
         if job.kind is JobKind.STORE:
-            self._manager.complete_store(job.keys, success=False)
+            self._manager.complete_store(job=("scheduler", job.id), success=False)
         else:
             self._manager.complete_load(job=("scheduler", job.id))
         self._finish(job, JobOutcome.CANCELLED, "cancelled before it started")
