@@ -280,9 +280,15 @@ class CPUOffloadingManager:
         else:
             keys = tuple(keys)
         chunks = self._chunks
-        need: dict[OffloadKey, int] = {}
-        for key in keys:
-            need[key] = need.get(key, 0) + 1
+        get = chunks.get
+        if len(set(keys)) == len(keys) and all(
+            (c := get(k)) is not None and c.pins > 0 for k in keys
+        ):
+            need: dict[OffloadKey, int] = {}  # the common case: nothing to check further
+        else:
+            need = {}
+            for key in keys:
+                need[key] = need.get(key, 0) + 1
         for key, count in need.items():
             chunk = chunks.get(key)
             if chunk is None:
@@ -298,7 +304,6 @@ class CPUOffloadingManager:
                 )
         if job is not None:
             del self._loads[job]
-        chunks = self._chunks
         for key in keys:
             chunk = chunks[key]
             chunk.pins -= 1
@@ -324,14 +329,14 @@ class CPUOffloadingManager:
         completes exactly this call's keys, once.
         """
         chunks = self._chunks
-        new_keys: list[OffloadKey] = []
-        offered_ready: list[OffloadKey] = []  # evictable chunks this call must not evict
-        for key in dict.fromkeys(keys):
-            chunk = chunks.get(key)
-            if chunk is None:
-                new_keys.append(key)
-            elif chunk.pins == 0:
-                offered_ready.append(key)
+        offered = dict.fromkeys(keys)
+        new_keys = [key for key in offered if key not in chunks]
+        # Evictable chunks this call offers again must not be evicted by it.
+        offered_ready = (
+            [key for key in offered if key in chunks and chunks[key].pins == 0]
+            if len(new_keys) < len(offered)
+            else []
+        )
         need = len(new_keys) - (self._capacity - len(chunks))
         if need > 0 and self._evictable - len(offered_ready) < need:
             self._alloc_failures += 1
@@ -367,8 +372,7 @@ class CPUOffloadingManager:
         if reuse:
             slots += free[: -reuse - 1 : -1]
             del free[-reuse:]
-        for key, slot in zip(new_keys, slots, strict=True):
-            chunks[key] = _Chunk(slot)
+        chunks.update(zip(new_keys, map(_Chunk, slots), strict=True))
         stored = tuple(new_keys)
         if job is not None:
             self._store_jobs[job] = stored

@@ -68,6 +68,11 @@ class ARCPolicy(CachePolicy):
     def insert(self, keys: Sequence[OffloadKey]) -> None:
         t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
         before = len(t1)
+        if not (b1.keys() & keys or b2.keys() & keys):  # no ghost hit: all new to T1
+            t1.update(dict.fromkeys(reversed(keys), True))
+            self._admitted = len(t1) - before
+            self._trim_ghosts()
+            return
         for key in reversed(keys):
             if key in b1:
                 self._p = min(self._capacity, self._p + max(len(b2) / len(b1), 1.0))
