@@ -191,9 +191,12 @@ class TieringEngine:
         if self._pool is None:  # pragma: no cover - open() allocates it first
             raise ResourceClosedError("the host memory pool is not allocated")
         self._backend = create_backend(
-            self.backend_name, self.layout, self._pool, on_complete=on_complete,
+            self.backend_name,
+            self.layout,
+            self._pool,
+            on_complete=on_complete,
             **self._backend_options,
-        )  # fmt: skip
+        )
         return self._backend
 
     async def __aenter__(self) -> Self:

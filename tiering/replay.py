@@ -188,8 +188,7 @@ async def replay(
     if options.cpu_bytes is not None:
         cpu_bytes = options.cpu_bytes
     else:
-        assert options.capacity_tokens is not None  # checked by ReplayOptions
-        chunks = options.capacity_tokens // options.block_tokens
+        chunks = (options.capacity_tokens or 0) // options.block_tokens
         if chunks < 1:
             raise ConfigError(
                 f"a capacity of {options.capacity_tokens} tokens holds no chunk of "

@@ -67,6 +67,8 @@ JobKind = TransferDirection
 
 logger = logging.getLogger(__name__)
 
+_NO_ROOM = "no room in the CPU tier: every chunk is pinned, being written or offered by this store"
+
 
 class JobOutcome(enum.StrEnum):
     """How a job ended."""
@@ -226,10 +228,12 @@ class JobHandle:
         return self.wait().__await__()
 
     def __repr__(self) -> str:
-        state = self._job.result.outcome.value if self._job.result else (
-            "running" if self._job.started else "queued"
-        )  # fmt: skip
-        return f"<JobHandle {self._job.kind.value} #{self._job.id} [{state}]>"
+        job = self._job
+        if job.result is not None:
+            state = job.result.outcome.value
+        else:
+            state = "running" if job.started else "queued"
+        return f"<JobHandle {job.kind.value} #{job.id} [{state}]>"
 
 
 class _Direction:
@@ -497,8 +501,7 @@ class Scheduler:
         if kind is JobKind.STORE:
             output = self._manager.prepare_store(keys, job=("scheduler", job.id))
             if output is None:
-                self._finish(job, JobOutcome.NO_ROOM, "no room in the CPU tier: every chunk is "
-                             "pinned, being written or offered by this store")  # fmt: skip
+                self._finish(job, JobOutcome.NO_ROOM, _NO_ROOM)
                 return handle
             if not output.keys_to_store:
                 self._finish(job, JobOutcome.SUCCEEDED)
