@@ -38,7 +38,7 @@ from tiering.config import (
     OffloadingModelConfig,
 )
 from tiering.engine import TieringEngine
-from tiering.errors import ConfigError
+from tiering.errors import ChunkStateError, ConfigError
 from tiering.scheduler import JobHandle, JobOutcome, JobResult
 from tiering.simulate import requests_to_keys
 from tiering.specs import GPULoadStoreSpec
@@ -213,41 +213,44 @@ async def replay(
             keys = request_keys[index]
             blocks = region[: len(keys)]
             hits = engine.lookup(keys).ready
-            tally.blocks += len(keys)
-            tally.hit_blocks += hits
-            if hits < len(keys):
-                pages.fill(blocks[hits:], keys[hits:])
             load: JobHandle | None = None
             if hits:
                 if options.verify:  # no key derives these bytes: a load that never lands shows
                     kv.index_fill_(0, blocks[:hits], _POISON)
-                load = await engine.submit_load(
-                    keys[:hits], GPULoadStoreSpec(blocks[:hits].numpy())
-                )
+                try:
+                    load = await engine.submit_load(
+                        keys[:hits], GPULoadStoreSpec(blocks[:hits].numpy())
+                    )
+                except ChunkStateError:
+                    # Evicted by another request while this one waited for queue
+                    # room: a server would recompute them, and so does the replay.
+                    hits = 0
+            tally.blocks += len(keys)
+            tally.hit_blocks += hits
+            store: JobHandle | None = None
             if hits < len(keys):
+                pages.fill(blocks[hits:], keys[hits:])  # "compute" what was not loaded
                 store = await engine.submit_store(
                     keys[hits:], GPULoadStoreSpec(blocks[hits:].numpy())
                 )
-                stores.append(store)
             if load is not None:
                 result = await load
                 tally.add(result, load=True)
                 if options.verify and result.success:
                     tally.corrupt += pages.corrupt(blocks[:hits], keys[:hits])
-            await engine.flush(blocks.numpy())
+            await engine.flush(blocks.numpy())  # the store has read the blocks: it is done
+            if store is not None:
+                tally.add(await store, load=False)
             engine.touch(keys)
             tally.done += 1
             if progress is not None:
                 progress(tally.done, len(request_keys), tally.hit_blocks, tally.blocks)
 
-    stores: list[JobHandle] = []
     async with engine:
         start = time.perf_counter()
         async with anyio.create_task_group() as tg:
             for worker in range(options.concurrency):
                 tg.start_soon(serve, worker)
-        for store in stores:
-            tally.add(await store, load=False)
         seconds = time.perf_counter() - start
         stats = engine.manager.statistics()
     return ReplayResult(
