@@ -46,7 +46,7 @@ def as_id_array(values: Sequence[int] | npt.NDArray[np.integer], what: str) -> I
         return np.zeros(0, dtype=np.int64)
     if not np.issubdtype(arr.dtype, np.integer):
         raise SpecError(f"{what} must hold integers, got dtype {arr.dtype}")
-    arr = arr.astype(np.int64, copy=False)
+    arr = arr.astype(np.int64, copy=True)  # the spec's own: a caller's later writes don't leak in
     if int(arr.min()) < 0:
         raise SpecError(f"{what} must be non-negative, got {int(arr.min())}")
     return arr

@@ -173,3 +173,13 @@ def test_run_bounds_cut_at_every_break_in_consecutive_ids() -> None:
     ids = np.array([4, 5, 6, 9, 10, 2, 3, 3])
     assert run_bounds(ids).tolist() == [0, 3, 5, 7, 8]
     assert run_bounds(np.zeros(0, dtype=np.int64)).tolist() == [0]
+
+
+def test_negative_ids_are_refused_before_any_byte_moves() -> None:
+    layout = KVLayout([KVCacheTensor(torch.zeros(8, 64, dtype=torch.int64), 8, 512)], 1)
+    with pytest.raises(SpecError, match="chunk id -1 is negative"):
+        layout.plan(GPULoadStoreSpec([1]), CPULoadStoreSpec.from_valid_ids([-1]), 4)
+    gpu = GPULoadStoreSpec([1])
+    gpu.block_ids = np.array([-2], dtype=np.int64)  # as a trusting caller could build it
+    with pytest.raises(SpecError, match="block id -2 is negative"):
+        layout.plan(CPULoadStoreSpec([1]), gpu, 4)

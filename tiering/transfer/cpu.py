@@ -42,6 +42,7 @@ Worst case: scattered chunk ids with small pages (16 KiB, ``blocks_per_chunk``
 
 from __future__ import annotations
 
+import concurrent.futures
 import enum
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -199,6 +200,9 @@ class PageCopier:
         try:
             self._run(ops, parts[0])
         finally:
+            # Every helper must have stopped writing before the job is reported,
+            # failed or not; then the first error, if any, is raised.
+            concurrent.futures.wait(futures)
             for future in futures:
                 future.result()
 

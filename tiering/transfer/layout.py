@@ -241,6 +241,8 @@ class KVLayout:
                 f"(group_sizes={gpu.group_sizes.tolist()}) but the layout has {self.num_groups}"
             )
         chunk_ids = cpu.chunk_ids
+        if len(chunk_ids) and int(chunk_ids.min()) < 0:
+            raise SpecError(f"chunk id {int(chunk_ids.min())} is negative")
         if len(chunk_ids) and int(chunk_ids.max()) >= num_chunks:
             bad = int(chunk_ids[int(np.argmax(chunk_ids >= num_chunks))])
             raise SpecError(f"chunk id {bad} is past the pool, which has {num_chunks} chunks")
@@ -265,6 +267,8 @@ class KVLayout:
                     f"boundary (blocks_per_chunk={bpc}); a job moves whole chunks"
                 )
             limit = self.group_num_blocks[g]
+            if n and int(blocks.min()) < 0:
+                raise SpecError(f"group {g}: block id {int(blocks.min())} is negative")
             if n and int(blocks.max()) >= limit:
                 bad = int(blocks[int(np.argmax(blocks >= limit))])
                 raise SpecError(f"group {g}: block id {bad} is past the end ({limit} blocks)")

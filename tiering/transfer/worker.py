@@ -159,6 +159,10 @@ class ThreadedBackend(TransferBackend):
             self._finish_close()
 
     def _finish_close(self) -> None:
+        # A submit that passed admission just before close began may not have
+        # queued its job yet: wait for every admitted job before stopping the
+        # workers, or that job would sit behind the stop signal forever.
+        self._tracker.wait_idle()
         for worker in self._workers.values():
             worker.stop()
         try:
