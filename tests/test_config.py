@@ -191,7 +191,6 @@ def _drop(data: dict[str, Any], dotted: str) -> None:
         ("groups.0.tokens_per_block", -16, ["tokens_per_block must be >= 1", "got -16"]),
         ("groups.0.sliding_window_size_in_chunks", 0,
          ["sliding_window_size_in_chunks must be >= 1", "got 0", "`$.groups[0]`"]),
-        ("groups.0.layer_names", [], ["layer_names is empty", "`$.groups[0]`"]),
         ("groups.0.layer_names", ["l0", "l0"], ["names layer 'l0' twice", "`$.groups[0]`"]),
         ("worker_kv_bytes_per_block", -1, ["worker_kv_bytes_per_block must be >= 0", "got -1"]),
         ("model.max_model_len", -1, ["max_model_len must be >= 0", "got -1", "`$.model`"]),
@@ -378,3 +377,18 @@ def test_direct_construction_rejects(build: Any, pattern: str) -> None:
 def test_config_error_is_value_error() -> None:
     with pytest.raises(ValueError, match=re.escape("blocks_per_chunk")):
         OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=-1)
+
+
+def test_a_group_may_hold_no_layer_under_pipeline_parallelism(tmp_path: Path) -> None:
+    data = minimal_dict()
+    _set(data, "groups.0.layer_names", [])
+    assert load_config(write_json(tmp_path, data, "pp.json")).groups[0].layer_names == ()
+
+
+def test_a_wrong_type_names_the_field_and_the_value(tmp_path: Path) -> None:
+    data = minimal_dict()
+    _set(data, "cache.blocks_per_chunk", "4")
+    with pytest.raises(ConfigError) as info:
+        load_config(write_json(tmp_path, data, "typed.json"))
+    assert "$.cache.blocks_per_chunk" in str(info.value)
+    assert "(value: '4')" in str(info.value)

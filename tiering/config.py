@@ -18,6 +18,7 @@ names the field and the value.
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -89,11 +90,9 @@ class OffloadingGroupConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_un
     def __post_init__(self) -> None:
         owner = "OffloadingGroupConfig"
         _check_int(owner, "tokens_per_block", self.tokens_per_block, 1, "tokens in one GPU block")
+        # May be empty: under pipeline parallelism a stage can hold no layer of a
+        # group (vLLM keeps every group on every worker).
         names = _as_tuple(self, owner, "layer_names", str)
-        if not names:
-            raise ConfigError(
-                f"{owner}.layer_names is empty; a KV-cache group holds at least one layer"
-            )
         seen: set[str] = set()
         for name in names:
             if not name:
@@ -285,9 +284,6 @@ class OffloadingConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         return tuple(group.tokens_per_block * factor for group in self.groups)
 
 
-_JSON_DECODER = msgspec.json.Decoder(OffloadingConfig)
-
-
 def load_config(path: str | os.PathLike[str]) -> OffloadingConfig:
     """Read an `OffloadingConfig` from a ``.json`` or ``.toml`` file.
 
@@ -309,13 +305,36 @@ def load_config(path: str | os.PathLike[str]) -> OffloadingConfig:
     except OSError as exc:
         raise ConfigError(f"cannot read config file {str(source)!r}: {exc}") from exc
     try:
-        if suffix == ".json":
-            return _JSON_DECODER.decode(raw)
-        return msgspec.convert(_parse_toml(raw, source), OffloadingConfig)
-    except msgspec.ValidationError as exc:
-        raise ConfigError(f"invalid config file {str(source)!r}: {exc}") from exc
+        data = msgspec.json.decode(raw) if suffix == ".json" else _parse_toml(raw, source)
     except msgspec.DecodeError as exc:
         raise ConfigError(f"config file {str(source)!r} is not valid JSON: {exc}") from exc
+    try:
+        return msgspec.convert(data, OffloadingConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(
+            f"invalid config file {str(source)!r}: {exc}{_value_at(data, str(exc))}"
+        ) from exc
+
+
+_PATH = re.compile(r"- at `\$((?:\.[A-Za-z_][A-Za-z0-9_]*|\[\d+\])+)`$")
+_STEP = re.compile(r"\.([A-Za-z_][A-Za-z0-9_]*)|\[(\d+)\]")
+
+
+def _value_at(data: object, message: str) -> str:
+    """`` (value: ...)`` for the field a msgspec error message points at, if it is there."""
+    match = _PATH.search(message)
+    if match is None:
+        return ""
+    value = data
+    for name, index in _STEP.findall(match.group(1)):
+        if name and isinstance(value, dict) and name in value:
+            value = value[name]
+        elif index and isinstance(value, list) and int(index) < len(value):
+            value = value[int(index)]
+        else:
+            return ""
+    text = repr(value)
+    return f" (value: {text if len(text) <= 80 else text[:77] + '...'})"
 
 
 def _parse_toml(raw: bytes, source: Path) -> dict[str, Any]:

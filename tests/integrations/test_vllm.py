@@ -284,7 +284,18 @@ def test_context_parallel_scales_tokens_per_block() -> None:
     assert config.groups[0].tokens_per_block == 64
     assert config.cache == OffloadingCacheConfig(tokens_per_hash=64, blocks_per_chunk=4)
     assert (config.parallel.dcp_size, config.parallel.pcp_size) == (2, 2)
-    assert config.parallel.is_parallelism_agnostic is False  # tokens are sharded
+    assert config.parallel.is_parallelism_agnostic is False
+
+
+@pytest.mark.parametrize(("dcp", "pcp"), [(2, 1), (1, 2)])
+def test_context_parallelism_alone_makes_the_layout_rank_specific(dcp: int, pcp: int) -> None:
+    # tp 1: every rank holds all heads, so only the token sharding decides.
+    config = build_offloading_config(
+        make_vllm_config(dcp=dcp, pcp=pcp, tp=1), llama_kv_cache_config()
+    )
+    assert config.parallel.is_parallelism_agnostic is False
+    baseline = build_offloading_config(make_vllm_config(tp=1), llama_kv_cache_config())
+    assert baseline.parallel.is_parallelism_agnostic is True
 
 
 def test_prefill_context_parallel_size_defaults_to_one() -> None:
@@ -432,8 +443,10 @@ def test_optional_attributes_may_be_absent() -> None:
     del vllm_config.kv_events_config
     del vllm_config.use_v2_model_runner
     kv_cache_config = llama_kv_cache_config(num_layers=2)
-    for tensor in kv_cache_config.kv_cache_tensors:
-        del tensor.block_stride
+    kv_cache_config.kv_cache_tensors = [
+        SimpleNamespace(size=t.size, shared_by=t.shared_by)
+        for t in kv_cache_config.kv_cache_tensors
+    ]  # no block_stride at all: not packed
     config = build_offloading_config(vllm_config, kv_cache_config)
     assert config.enable_kv_cache_events is False
     assert config.parallel.is_parallelism_agnostic is True
@@ -709,3 +722,9 @@ def test_is_kv_cache_tensor_packed(tensor: object, expected: bool) -> None:
 def test_is_kv_cache_tensor_packed_rejects(stride: object, pattern: str) -> None:
     with pytest.raises(ConfigError, match=pattern):
         is_kv_cache_tensor_packed(SimpleNamespace(size=1, block_stride=stride))
+
+
+@pytest.mark.parametrize("bad", [None, 16, ""])
+def test_a_cache_dtype_that_is_no_dtype_is_refused(bad: Any) -> None:
+    with pytest.raises(ConfigError, match=r"cache_config\.cache_dtype must be a dtype name"):
+        build_offloading_config(make_vllm_config(cache_dtype=bad), llama_kv_cache_config())

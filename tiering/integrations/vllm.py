@@ -301,10 +301,17 @@ def _is_parallelism_agnostic(
 def _cache_dtype(vllm_config: object) -> str:
     cache_config = _get(vllm_config, "vllm_config", "cache_config")
     dtype = _get(cache_config, "vllm_config.cache_config", "cache_dtype")
+    where = "vllm_config.cache_config.cache_dtype"
     if dtype == "auto":
         model_config = _get(vllm_config, "vllm_config", "model_config")
         dtype = _get(model_config, "vllm_config.model_config", "dtype")
-    return str(dtype).removeprefix("torch.")
+        where = "vllm_config.model_config.dtype"
+    text = str(dtype)
+    if not (isinstance(dtype, str) and dtype) and not text.startswith("torch."):
+        raise ConfigError(
+            f"{where} must be a dtype name such as 'bfloat16' or a torch.dtype, got {dtype!r}"
+        )
+    return text.removeprefix("torch.")
 
 
 # --- the entry point --------------------------------------------------------------------
