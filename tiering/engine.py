@@ -132,7 +132,8 @@ class TieringEngine:
     (``cuda`` when the KV tensors are on a CUDA device, else ``cpu``),
     ``"cpu"``, ``"cuda"`` or ``"mock"``; ``backend_options`` go to its
     constructor. Scheduler limits come from ``limits`` or from the config's
-    ``extra_config`` (``max_queued_jobs``, ``max_inflight_bytes``, ``slice_chunks``).
+    ``extra_config`` (``max_queued_jobs``, ``max_inflight_bytes``, ``slice_chunks``,
+    ``max_load_slices``).
     """
 
     def __init__(
