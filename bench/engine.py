@@ -24,7 +24,6 @@ import argparse
 import gc
 import json
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +35,13 @@ from tiering.cpu.common import CPULoadStoreSpec
 from tiering.engine import TieringEngine
 from tiering.replay import ReplayOptions, replay, replay_config
 from tiering.specs import GPULoadStoreSpec, LoadStoreSpec
-from tiering.transfer import CompletionCallback, TransferDirection, TransferResult
+from tiering.transfer import (
+    CompletionCallback,
+    KVCacheTensor,
+    KVLayout,
+    TransferDirection,
+    TransferResult,
+)
 from tiering.transfer.base import BackendStatistics, DirectionStatistics
 from tiering.transfer.cpu import CpuBackend
 from tiering.transfer.memory import HostMemoryPool
@@ -118,8 +123,6 @@ async def overhead(backend: str, jobs: int, window: int) -> dict[str, Any]:
 
 def backend_throughput(page_bytes: int, blocks_per_job: int, jobs: int) -> float:
     """GB/s of the cpu backend alone, storing then loading jobs of ``blocks_per_job`` pages."""
-    from tiering.transfer import KVCacheTensor, KVLayout
-
     words = page_bytes // 8
     kv = torch.ones((blocks_per_job, words), dtype=torch.int64)
     layout = KVLayout([KVCacheTensor(kv, blocks_per_job, page_bytes)], 1)
@@ -178,7 +181,6 @@ def main() -> None:
         gc.collect()
         gc.freeze()
     rows: list[dict[str, Any]] = []
-    run: Callable[[str], dict[str, Any]]
 
     def run(backend: str) -> dict[str, Any]:
         return anyio.run(overhead, backend, args.jobs, args.window)

@@ -193,9 +193,11 @@ def _run_replay(args: argparse.Namespace) -> None:
     requests = _load_requests(args)
     if not requests:
         raise _UsageError("the workload has no requests")
+    size = {"cpu_bytes": args.cpu_bytes} if args.cpu_bytes else {}
+    if args.capacity_tokens:  # else ReplayOptions' default capacity, unless bytes are given
+        size["capacity_tokens"] = args.capacity_tokens
     options = ReplayOptions(
-        capacity_tokens=args.capacity_tokens or (None if args.cpu_bytes else 3_000_000),
-        cpu_bytes=args.cpu_bytes,
+        **size,
         policy=args.policy,
         bytes_per_token=args.bytes_per_token,
         block_tokens=args.block_tokens,
