@@ -24,7 +24,7 @@ from tiering import (
     make_offload_key,
 )
 from tiering.engine import PrefixLookup, TieringEngine
-from tiering.scheduler import JobOutcome, SchedulerLimits
+from tiering.scheduler import LATENCY_BUCKETS, JobOutcome, SchedulerLimits
 from tiering.specs import GPULoadStoreSpec
 from tiering.transfer.mock import MockBackend
 
@@ -122,6 +122,23 @@ async def test_stores_skip_present_keys_and_report_no_room(anyio_backend: str) -
         assert "no room" in (full.error or "")
         assert (await load).success
         assert (await (await engine.submit_store(keys(3), spec([3])))).success
+        stores = engine.statistics().scheduler.stores
+        # The three stores that reached the backend are in the latency
+        # histogram; the one that found no room is not.
+        assert (stores.succeeded, stores.no_room, sum(stores.latency_buckets)) == (3, 1, 3)
+        assert len(stores.latency_buckets) == len(LATENCY_BUCKETS) + 1
+        assert stores.latency_seconds > 0
+
+
+def test_engines_are_named_in_build_order_or_by_the_caller() -> None:
+    first = TieringEngine(config(), kv_caches(), cpu_bytes=CHUNK_BYTES)
+    second = TieringEngine(config(), kv_caches(), cpu_bytes=CHUNK_BYTES)
+    assert int(second.engine_id) == int(first.engine_id) + 1
+    named = TieringEngine(config(), kv_caches(), cpu_bytes=CHUNK_BYTES, engine_id="rank-3")
+    assert named.engine_id == "rank-3"
+    assert repr(named).startswith("<TieringEngine rank-3 [new;")
+    with pytest.raises(ConfigError, match="engine_id"):
+        TieringEngine(config(), kv_caches(), cpu_bytes=CHUNK_BYTES, engine_id="")
 
 
 async def test_loads_go_before_queued_stores(mock_engine: TieringEngine) -> None:

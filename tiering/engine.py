@@ -17,6 +17,7 @@ memory, the backend and the scheduler. It works on asyncio and trio.
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any, Self
 
@@ -124,6 +125,9 @@ def _limits(config: OffloadingConfig, limits: SchedulerLimits | None) -> Schedul
         raise ConfigError(f"extra_config: {exc}") from None
 
 
+_ENGINE_IDS = itertools.count()
+
+
 class TieringEngine:
     """The CPU tier of one engine rank: manager, host memory, backend and scheduler.
 
@@ -133,7 +137,7 @@ class TieringEngine:
     ``"cpu"``, ``"cuda"`` or ``"mock"``; ``backend_options`` go to its
     constructor. Scheduler limits come from ``limits`` or from the config's
     ``extra_config`` (``max_queued_jobs``, ``max_inflight_bytes``, ``slice_chunks``,
-    ``max_load_slices``).
+    ``max_load_slices``). ``engine_id`` names the engine in metrics.
     """
 
     def __init__(
@@ -146,10 +150,16 @@ class TieringEngine:
         backend: str = "auto",
         backend_options: Mapping[str, Any] | None = None,
         limits: SchedulerLimits | None = None,
+        engine_id: str | None = None,
     ) -> None:
         if isinstance(cpu_bytes, bool) or not isinstance(cpu_bytes, int) or cpu_bytes < 1:
             raise ConfigError(f"cpu_bytes must be a positive integer, got {cpu_bytes!r}")
         self.config = config
+        #: Names this engine in metrics and logs: ``engine_id``, or ``"0"``,
+        #: ``"1"``, ... in the order engines are built in this process.
+        self.engine_id = str(next(_ENGINE_IDS)) if engine_id is None else engine_id
+        if not self.engine_id:
+            raise ConfigError("engine_id must be a non-empty string, got ''")
         tensors = (
             kv_cache_tensors(config, kv_caches)
             if isinstance(kv_caches, Mapping)
@@ -303,7 +313,7 @@ class TieringEngine:
         m = self.manager.statistics()
         s = self.scheduler.statistics()
         return (
-            f"<TieringEngine [{self._state.value}; {self.backend_name}; chunks: {m.used}/"
+            f"<TieringEngine {self.engine_id} [{self._state.value}; {self.backend_name}; chunks: {m.used}/"
             f"{m.capacity} used, {m.writing} writing, {m.pinned} pinned; loads: "
             f"{s.loads.queued} queued, {s.loads.in_flight} running; stores: "
             f"{s.stores.queued} queued, {s.stores.in_flight} running]>"

@@ -27,6 +27,7 @@ Design note: back-pressure, ordering and the convoy.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import enum
 import itertools
@@ -50,6 +51,7 @@ from tiering.transfer.base import CompletionCallback, TransferBackend, TransferR
 from tiering.transfer.layout import TransferDirection
 
 __all__ = [
+    "LATENCY_BUCKETS",
     "DirectionStatistics",
     "JobHandle",
     "JobKind",
@@ -111,7 +113,20 @@ class SchedulerLimits(msgspec.Struct, frozen=True, kw_only=True):
                 raise ConfigError(f"scheduler {name} must be a positive integer, got {value!r}")
 
 
+#: Upper bounds (seconds) of the job latency histogram's buckets; the last
+#: bucket of `DirectionStatistics.latency_buckets` counts everything above.
+LATENCY_BUCKETS: tuple[float, ...] = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+    2.5, 5.0, 10.0,
+)  # fmt: skip
+
+
 class DirectionStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    """Counts of one direction. ``latency_buckets`` holds, per bucket of
+    `LATENCY_BUCKETS` (and one more for anything slower), how many started jobs
+    ended (succeeded or failed) with a latency from submission in that bucket;
+    ``latency_seconds`` is the sum of those latencies."""
+
     queued: int
     in_flight: int
     inflight_bytes: int
@@ -121,6 +136,8 @@ class DirectionStatistics(msgspec.Struct, frozen=True, kw_only=True):
     no_room: int
     bytes: int
     seconds: float
+    latency_buckets: tuple[int, ...]
+    latency_seconds: float
 
 
 class SchedulerStatistics(msgspec.Struct, frozen=True, kw_only=True):
@@ -245,6 +262,8 @@ class _Direction:
         "failed",
         "in_flight",
         "inflight_bytes",
+        "latency",
+        "latency_seconds",
         "no_room",
         "queue",
         "room",
@@ -261,6 +280,8 @@ class _Direction:
         self.inflight_bytes = 0
         self.succeeded = self.failed = self.cancelled = self.no_room = self.bytes = 0
         self.seconds = 0.0
+        self.latency = [0] * (len(LATENCY_BUCKETS) + 1)
+        self.latency_seconds = 0.0
 
     def statistics(self) -> DirectionStatistics:
         return DirectionStatistics(
@@ -273,6 +294,8 @@ class _Direction:
             no_room=self.no_room,
             bytes=self.bytes,
             seconds=self.seconds,
+            latency_buckets=tuple(self.latency),
+            latency_seconds=self.latency_seconds,
         )
 
 
@@ -700,6 +723,10 @@ class Scheduler:
         else:
             direction.no_room += 1
         self._stores.pop(job.id, None)
+        latency = time.perf_counter() - job.submitted
+        if job.started:
+            direction.latency[bisect.bisect_left(LATENCY_BUCKETS, latency)] += 1
+            direction.latency_seconds += latency
         job.result = JobResult(
             job_id=job.id,
             kind=job.kind,
@@ -707,7 +734,7 @@ class Scheduler:
             chunks=job.chunks,
             nbytes=job.nbytes if outcome is JobOutcome.SUCCEEDED else 0,
             seconds=job.seconds,
-            latency=time.perf_counter() - job.submitted,
+            latency=latency,
             error=error,
         )
         if job.done is not None:
