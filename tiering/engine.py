@@ -313,8 +313,8 @@ class TieringEngine:
         m = self.manager.statistics()
         s = self.scheduler.statistics()
         return (
-            f"<TieringEngine {self.engine_id} [{self._state.value}; {self.backend_name}; chunks: {m.used}/"
-            f"{m.capacity} used, {m.writing} writing, {m.pinned} pinned; loads: "
+            f"<TieringEngine {self.engine_id} [{self._state.value}; {self.backend_name}; "
+            f"chunks: {m.used}/{m.capacity} used, {m.writing} writing, {m.pinned} pinned; loads: "
             f"{s.loads.queued} queued, {s.loads.in_flight} running; stores: "
             f"{s.stores.queued} queued, {s.stores.in_flight} running]>"
         )
