@@ -46,7 +46,7 @@ from tiering._types import OffloadKey
 from tiering.cpu.common import CPULoadStoreSpec
 from tiering.cpu.manager import CPUOffloadingManager
 from tiering.errors import CapacityError, ConfigError, ResourceClosedError, SpecError
-from tiering.specs import GPULoadStoreSpec, IntArray
+from tiering.specs import GPULoadStoreSpec, IntArray, first_duplicate, id_bounds
 from tiering.transfer.base import CompletionCallback, TransferBackend, TransferResult
 from tiering.transfer.layout import TransferDirection
 
@@ -454,8 +454,11 @@ class Scheduler:
         if self._state is not _State.OPEN:
             raise ResourceClosedError(f"the scheduler is {self._state.value}; no new jobs")
 
-    def _check_spec(self, kind: JobKind, keys: Sequence[OffloadKey], gpu: GPULoadStoreSpec) -> None:
-        """Refuse a spec the layout would refuse, before the manager changes anything."""
+    def _check_spec(self, kind: JobKind, keys: Sequence[OffloadKey], gpu: GPULoadStoreSpec) -> int:
+        """Refuse a spec the layout would refuse, before the manager changes anything.
+
+        Returns the bytes the spec covers (for the in-flight budget).
+        """
         sizes = gpu.group_sizes.tolist()
         if len(sizes) != len(self._group_num_blocks):
             raise SpecError(
@@ -463,6 +466,7 @@ class Scheduler:
                 f"{len(self._group_num_blocks)}; give one group size per KV-cache group"
             )
         bpc = self._bpc
+        chunks = nbytes = start = 0
         for g, (size, first) in enumerate(zip(sizes, gpu.block_indices.tolist(), strict=True)):
             if not size:
                 continue
@@ -476,29 +480,28 @@ class Scheduler:
                     f"group {g}'s blocks end at block {first + size}, inside a chunk of {bpc} "
                     "blocks; a job ends on a chunk boundary"
                 )
-        chunks = chunk_count(gpu, self._bpc)
+            chunks += -(-(first % bpc + size) // bpc)
+            nbytes += size * self._block_bytes[g]
+            ids = gpu.block_ids[start : start + size]
+            top = id_bounds(ids)[1]
+            if top >= self._group_num_blocks[g]:
+                raise SpecError(
+                    f"GPU block id {top} of group {g} is past the end of the KV cache "
+                    f"({self._group_num_blocks[g]} blocks)"
+                )
+            if kind is JobKind.LOAD and (dup := first_duplicate(ids)) is not None:
+                raise SpecError(
+                    f"a load names GPU block id {dup} of group {g} more than once; "
+                    "every destination block must be distinct"
+                )
+            start += size
         if chunks != len(keys):
             raise SpecError(
                 f"{len(keys)} keys for a GPU spec of {chunks} chunks "
                 f"({len(gpu.block_ids)} blocks, group_sizes {sizes}, "
                 f"{self._bpc} blocks per chunk); give one key per chunk"
             )
-        start = 0
-        for g, size in enumerate(sizes):
-            if size:
-                ids = gpu.block_ids[start : start + size]
-                top = int(ids.max())
-                if top >= self._group_num_blocks[g]:
-                    raise SpecError(
-                        f"GPU block id {top} of group {g} is past the end of the KV cache "
-                        f"({self._group_num_blocks[g]} blocks)"
-                    )
-                if kind is JobKind.LOAD and size > 1 and len(np.unique(ids)) != size:
-                    raise SpecError(
-                        f"a load names GPU block ids of group {g} more than once "
-                        f"({ids.tolist()}); every destination block must be distinct"
-                    )
-            start += size
+        return nbytes
 
     def _bytes_of(self, gpu: GPULoadStoreSpec) -> int:
         return sum(n * b for n, b in zip(gpu.group_sizes.tolist(), self._block_bytes, strict=False))
@@ -518,7 +521,7 @@ class Scheduler:
         direction = self._dirs[kind]
         if len(direction.queue) >= self.limits.max_queued_jobs:
             raise anyio.WouldBlock
-        self._check_spec(kind, keys, gpu)
+        nbytes = self._check_spec(kind, keys, gpu)
         job = _Job(next(self._job_ids), kind, tuple(keys))
         handle = JobHandle(job, self)
         if kind is JobKind.STORE:
@@ -531,16 +534,17 @@ class Scheduler:
                 return handle
             if len(output.keys_to_store) == len(keys):
                 sub = gpu
+                job.nbytes = nbytes
             else:
                 index: dict[OffloadKey, int] = {}
                 for i, key in enumerate(keys):
                     index.setdefault(key, i)
                 chosen = [index[key] for key in output.keys_to_store]
                 sub = select_chunks(gpu, self._bpc, chosen)
+                job.nbytes = self._bytes_of(sub)
             job.keys = output.keys_to_store
             job.blocks = sub.block_ids
             job.chunks = len(job.keys)
-            job.nbytes = self._bytes_of(sub)
             job.slices.append(_Slice(gpu=sub, cpu=output.store_spec, nbytes=job.nbytes))
             self._stores[job.id] = job
         else:
@@ -548,7 +552,7 @@ class Scheduler:
             job.chunks = len(keys)
             step = self.limits.slice_chunks
             if len(keys) <= step:
-                job.slices.append(_Slice(gpu=gpu, cpu=cpu, nbytes=self._bytes_of(gpu)))
+                job.slices.append(_Slice(gpu=gpu, cpu=cpu, nbytes=nbytes))
             else:
                 for lo in range(0, len(keys), step):
                     span = range(lo, min(lo + step, len(keys)))

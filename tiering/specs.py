@@ -39,6 +39,17 @@ IntArray = npt.NDArray[np.int64]
 
 def as_id_array(values: Sequence[int] | npt.NDArray[np.integer], what: str) -> IntArray:
     """``values`` as a 1-D int64 array of non-negative ids, or a `SpecError` naming ``what``."""
+    # The common case, a short list of ints, checked in Python: a numpy
+    # reduction costs microseconds on any size, and specs are made per job.
+    if (
+        type(values) in (list, tuple)
+        and all(type(v) is int for v in values)
+        and (not values or min(values) >= 0)
+    ):
+        try:
+            return np.array(values, dtype=np.int64)
+        except OverflowError:
+            pass  # past int64: the checks below say so
     arr = np.asarray(values)
     if arr.ndim != 1:
         raise SpecError(f"{what} must be a 1-D sequence of integers, got shape {arr.shape}")
@@ -50,6 +61,37 @@ def as_id_array(values: Sequence[int] | npt.NDArray[np.integer], what: str) -> I
     if int(arr.min()) < 0:
         raise SpecError(f"{what} must be non-negative, got {int(arr.min())}")
     return arr
+
+
+#: Below this many ids, checks run on a Python list: a numpy reduction costs a
+#: few microseconds whatever the size, and most jobs name a few dozen ids.
+_SMALL = 128
+
+
+def id_bounds(ids: IntArray) -> tuple[int, int]:
+    """``(min, max)`` of a non-empty id array."""
+    if len(ids) <= _SMALL:
+        values = ids.tolist()
+        return min(values), max(values)
+    return int(ids.min()), int(ids.max())
+
+
+def first_duplicate(ids: IntArray) -> int | None:
+    """An id that appears more than once in ``ids``, or ``None``."""
+    if len(ids) < 2:
+        return None
+    if len(ids) <= _SMALL:
+        values = ids.tolist()
+        if len(set(values)) == len(values):
+            return None
+        seen: set[int] = set()
+        for v in values:
+            if v in seen:
+                return int(v)
+            seen.add(v)
+    ordered = np.sort(ids)
+    dup = np.flatnonzero(ordered[1:] == ordered[:-1])
+    return int(ordered[dup[0]]) if len(dup) else None
 
 
 class LoadStoreSpec(ABC):
@@ -105,9 +147,10 @@ class GPULoadStoreSpec(BlockIDsLoadStoreSpec):
         super().__init__(block_ids)
         n = len(self.block_ids)
         sizes = as_id_array([n] if group_sizes is None else group_sizes, "group_sizes")
-        if int(sizes.sum()) != n:
+        total = sum(sizes.tolist())  # one entry per group: Python beats a numpy reduction
+        if total != n:
             raise SpecError(
-                f"group_sizes {sizes.tolist()} add up to {int(sizes.sum())}, "
+                f"group_sizes {sizes.tolist()} add up to {total}, "
                 f"but there are {n} block_ids; they must add up to the number of block ids"
             )
         if block_indices is None:
@@ -128,8 +171,9 @@ class GPULoadStoreSpec(BlockIDsLoadStoreSpec):
 
     def group_block_ids(self, group: int) -> IntArray:
         """The block ids of ``group``."""
-        start = int(self.group_sizes[:group].sum())
-        return self.block_ids[start : start + int(self.group_sizes[group])]
+        sizes = self.group_sizes.tolist()
+        start = sum(sizes[:group])
+        return self.block_ids[start : start + sizes[group]]
 
     def __repr__(self) -> str:
         return (

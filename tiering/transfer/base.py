@@ -157,15 +157,19 @@ class TransferBackend(ABC):
 
 
 class _Counts:
-    __slots__ = ("bytes", "failed", "in_flight", "seconds", "succeeded")
+    """Counts of one direction. ``admitted`` is written under the admission lock,
+    the others under the completion lock, so neither side waits for the other."""
+
+    __slots__ = ("admitted", "bytes", "completed", "failed", "seconds", "succeeded")
 
     def __init__(self) -> None:
-        self.in_flight = self.succeeded = self.failed = self.bytes = 0
+        self.admitted = self.completed = self.succeeded = self.failed = self.bytes = 0
         self.seconds = 0.0
 
     def snapshot(self) -> DirectionStatistics:
+        completed = self.completed  # read first: admitted >= completed at any instant
         return DirectionStatistics(
-            in_flight=self.in_flight,
+            in_flight=self.admitted - completed,
             succeeded=self.succeeded,
             failed=self.failed,
             bytes=self.bytes,
@@ -179,6 +183,12 @@ class JobTracker:
     Bounded: at most ``max_in_flight`` jobs are admitted and not completed
     (`admit` raises `CapacityError` beyond that); completed results wait in a
     queue until `poll`, unless ``on_complete`` takes them.
+
+    Submitters and completers take different locks: a submitting thread never
+    queues behind a worker completing a job (a contended lock costs a thread
+    switch, more than the rest of a small job). The in-flight table is a dict
+    that admission only adds to and completion only removes from; CPython's
+    dict operations are atomic, so the admission bound stays conservative.
     """
 
     def __init__(
@@ -192,7 +202,10 @@ class JobTracker:
         self.backend = backend
         self.max_in_flight = max_in_flight
         self._on_complete = on_complete
-        self._cond = threading.Condition()
+        self._admit_lock = threading.Lock()  # admission and state changes
+        self._done_lock = threading.Lock()  # completion and results (taken raw: cheaper)
+        self._done = threading.Condition(self._done_lock)  # waiting for completions
+        self._waiters = 0  # threads inside a wait on ``_done``
         self._in_flight: dict[int, TransferDirection] = {}
         self._results: deque[TransferResult] = deque()
         self._counts = {d: _Counts() for d in TransferDirection}
@@ -204,37 +217,39 @@ class JobTracker:
 
     def admit(self, job_id: int, direction: TransferDirection) -> None:
         """Record job ``job_id`` as in flight, or raise why it cannot be."""
-        with self._cond:
+        with self._admit_lock:
             if self._state is not BackendState.OPEN:
                 raise ResourceClosedError(f"the {self.backend} backend is {self._state.value}")
-            if job_id in self._in_flight:
+            in_flight = self._in_flight
+            if job_id in in_flight:
                 raise SpecError(f"job id {job_id} is already in flight; give every job a fresh id")
-            if len(self._in_flight) >= self.max_in_flight:
+            if len(in_flight) >= self.max_in_flight:
                 raise CapacityError(
-                    f"the {self.backend} backend already has {len(self._in_flight)} jobs in "
+                    f"the {self.backend} backend already has {len(in_flight)} jobs in "
                     f"flight (max_in_flight={self.max_in_flight}); wait for some to complete"
                 )
-            self._in_flight[job_id] = direction
-            self._counts[direction].in_flight += 1
+            in_flight[job_id] = direction
+            self._counts[direction].admitted += 1
 
     def complete(self, result: TransferResult) -> None:
         """Record ``result``; hand it to the callback (outside the lock) or queue it for poll."""
-        with self._cond:
+        with self._done_lock:
             direction = self._in_flight.pop(result.job_id, None)
             if direction is None:
                 logger.warning("%s backend: result for unknown job %d", self.backend, result.job_id)
                 return
             counts = self._counts[direction]
-            counts.in_flight -= 1
             if result.success:
                 counts.succeeded += 1
                 counts.bytes += result.nbytes
                 counts.seconds += result.seconds
             else:
                 counts.failed += 1
+            counts.completed += 1
             if self._on_complete is None:
                 self._results.append(result)
-            self._cond.notify_all()
+            if self._waiters:
+                self._done.notify_all()
         if self._on_complete is not None:
             try:
                 self._on_complete(result)
@@ -242,43 +257,48 @@ class JobTracker:
                 logger.exception("%s backend: on_complete callback failed", self.backend)
 
     def poll(self) -> list[TransferResult]:
-        with self._cond:
+        with self._done:
             out = list(self._results)
             self._results.clear()
             return out
 
     def is_in_flight(self, job_id: int) -> bool:
-        with self._cond:
-            return job_id in self._in_flight
+        return job_id in self._in_flight
+
+    def _wait_for(self, predicate: Callable[[], bool], timeout: float | None) -> bool:
+        with self._done:
+            self._waiters += 1
+            try:
+                return self._done.wait_for(predicate, timeout)
+            finally:
+                self._waiters -= 1
 
     def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> bool:
         ids = set(job_ids)
-        with self._cond:
-            return self._cond.wait_for(lambda: ids.isdisjoint(self._in_flight), timeout)
+        in_flight = self._in_flight  # admission may add to it meanwhile: test key by key
+        return self._wait_for(lambda: all(j not in in_flight for j in ids), timeout)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
-        with self._cond:
-            return self._cond.wait_for(lambda: not self._in_flight, timeout)
+        return self._wait_for(lambda: not self._in_flight, timeout)
 
     def begin_close(self) -> bool:
         """Stop admitting jobs; ``True`` for the one caller that should do the closing."""
-        with self._cond:
+        with self._admit_lock:
             if self._state is not BackendState.OPEN:
                 return False
             self._state = BackendState.CLOSING
             return True
 
     def finish_close(self) -> None:
-        with self._cond:
+        with self._admit_lock, self._done:
             self._state = BackendState.CLOSED
-            self._cond.notify_all()
+            self._done.notify_all()
 
     def wait_closed(self, timeout: float | None = None) -> bool:
-        with self._cond:
-            return self._cond.wait_for(lambda: self._state is BackendState.CLOSED, timeout)
+        return self._wait_for(lambda: self._state is BackendState.CLOSED, timeout)
 
     def statistics(self) -> BackendStatistics:
-        with self._cond:
+        with self._done:
             return BackendStatistics(
                 backend=self.backend,
                 state=self._state.value,

@@ -38,12 +38,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
 
+import msgspec
 import numpy as np
 import torch
 
 from tiering.cpu.common import CPULoadStoreSpec
 from tiering.errors import SpecError
-from tiering.specs import GPULoadStoreSpec, IntArray, LoadStoreSpec
+from tiering.specs import GPULoadStoreSpec, IntArray, LoadStoreSpec, first_duplicate, id_bounds
 
 __all__ = [
     "GroupPlan",
@@ -78,6 +79,10 @@ class TransferDirection(enum.Enum):
     STORE = "store"  # GPU blocks -> CPU chunk slots
     LOAD = "load"  # CPU chunk slots -> GPU blocks
 
+    # Members are singletons compared by identity: hash them the same way, in
+    # C, instead of `Enum.__hash__` (Python code, on every per-job dict lookup).
+    __hash__ = object.__hash__
+
 
 @dataclass(frozen=True)
 class KVCacheTensor:
@@ -94,8 +99,7 @@ class KVCacheTensor:
     group: int = 0
 
 
-@dataclass(frozen=True)
-class GroupPlan:
+class GroupPlan(msgspec.Struct, frozen=True, gc=False):
     """The pages of one KV-cache group in a job: ``blocks[i]`` <-> pool slot ``slots[i]``."""
 
     group: int
@@ -103,8 +107,7 @@ class GroupPlan:
     slots: IntArray
 
 
-@dataclass(frozen=True)
-class TransferPlan:
+class TransferPlan(msgspec.Struct, frozen=True, gc=False):
     """A validated job: per group, which KV block goes to or comes from which slot."""
 
     direction: TransferDirection
@@ -153,6 +156,7 @@ class KVLayout:
         if not tensors:
             raise SpecError("register at least one KV cache tensor")
         self.blocks_per_chunk = blocks_per_chunk
+        self._chunk_pages = np.arange(blocks_per_chunk, dtype=np.int64)  # pages of a chunk row
         self.tensors: tuple[KVCacheTensor, ...] = tuple(tensors)
         self.device: torch.device = self.tensors[0].tensor.device
         for i, kv in enumerate(self.tensors):
@@ -241,25 +245,30 @@ class KVLayout:
                 f"(group_sizes={gpu.group_sizes.tolist()}) but the layout has {self.num_groups}"
             )
         chunk_ids = cpu.chunk_ids
-        if len(chunk_ids) and int(chunk_ids.min()) < 0:
-            raise SpecError(f"chunk id {int(chunk_ids.min())} is negative")
-        if len(chunk_ids) and int(chunk_ids.max()) >= num_chunks:
-            bad = int(chunk_ids[int(np.argmax(chunk_ids >= num_chunks))])
-            raise SpecError(f"chunk id {bad} is past the pool, which has {num_chunks} chunks")
+        if len(chunk_ids):
+            low, high = id_bounds(chunk_ids)
+            if low < 0:
+                raise SpecError(f"chunk id {low} is negative")
+            if high >= num_chunks:
+                bad = int(chunk_ids[int(np.argmax(chunk_ids >= num_chunks))])
+                raise SpecError(f"chunk id {bad} is past the pool, which has {num_chunks} chunks")
         if direction is TransferDirection.STORE:
             _check_unique(chunk_ids, "chunk id", "the destination")
         bpc = self.blocks_per_chunk
         groups: list[GroupPlan] = []
         used_chunks = 0
         nbytes = 0
+        sizes, firsts = gpu.group_sizes.tolist(), gpu.block_indices.tolist()
+        start = 0
         for g in range(self.num_groups):
-            blocks = gpu.group_block_ids(g)
-            n = len(blocks)
-            skip = int(gpu.block_indices[g]) % bpc
+            n = sizes[g]
+            blocks = gpu.block_ids[start : start + n]
+            start += n
+            skip = firsts[g] % bpc
             if direction is TransferDirection.STORE and skip:
                 raise SpecError(
                     f"group {g}: a store must start at a chunk boundary, but block_indices[{g}]="
-                    f"{int(gpu.block_indices[g])} is not a multiple of blocks_per_chunk={bpc}"
+                    f"{firsts[g]} is not a multiple of blocks_per_chunk={bpc}"
                 )
             if (skip + n) % bpc:
                 raise SpecError(
@@ -267,11 +276,13 @@ class KVLayout:
                     f"boundary (blocks_per_chunk={bpc}); a job moves whole chunks"
                 )
             limit = self.group_num_blocks[g]
-            if n and int(blocks.min()) < 0:
-                raise SpecError(f"group {g}: block id {int(blocks.min())} is negative")
-            if n and int(blocks.max()) >= limit:
-                bad = int(blocks[int(np.argmax(blocks >= limit))])
-                raise SpecError(f"group {g}: block id {bad} is past the end ({limit} blocks)")
+            if n:
+                low, high = id_bounds(blocks)
+                if low < 0:
+                    raise SpecError(f"group {g}: block id {low} is negative")
+                if high >= limit:
+                    bad = int(blocks[int(np.argmax(blocks >= limit))])
+                    raise SpecError(f"group {g}: block id {bad} is past the end ({limit} blocks)")
             if direction is TransferDirection.LOAD:
                 _check_unique(blocks, f"group {g}: GPU block id", "the destination")
             k = (skip + n) // bpc
@@ -279,8 +290,11 @@ class KVLayout:
             used_chunks += k
             if len(chunks) < k:
                 break
-            slots = (chunks[:, None] * bpc + np.arange(bpc, dtype=np.int64)).reshape(-1)
-            groups.append(GroupPlan(group=g, blocks=blocks, slots=slots[skip : skip + n]))
+            if bpc == 1:
+                slots = chunks
+            else:
+                slots = (chunks[:, None] * bpc + self._chunk_pages).reshape(-1)[skip : skip + n]
+            groups.append(GroupPlan(group=g, blocks=blocks, slots=slots))
             nbytes += n * self.group_block_bytes[g]
         if used_chunks != len(chunk_ids):
             raise SpecError(
@@ -337,9 +351,6 @@ def _word_bytes(tensors: Sequence[KVCacheTensor]) -> int:
 
 
 def _check_unique(ids: IntArray, what: str, side: str) -> None:
-    if len(ids) < 2:
-        return
-    ordered = np.sort(ids)
-    dup = np.flatnonzero(ordered[1:] == ordered[:-1])
-    if len(dup):
-        raise SpecError(f"{what} {int(ordered[dup[0]])} appears twice in {side} of the job")
+    dup = first_duplicate(ids)
+    if dup is not None:
+        raise SpecError(f"{what} {dup} appears twice in {side} of the job")

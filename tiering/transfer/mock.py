@@ -22,7 +22,8 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+
+import msgspec
 
 from tiering.errors import ConfigError, TransferError
 from tiering.specs import LoadStoreSpec
@@ -35,8 +36,7 @@ from tiering.transfer.worker import ThreadedBackend, ThreadedJob
 __all__ = ["MockBackend", "MockJob"]
 
 
-@dataclass(frozen=True)
-class MockJob:
+class MockJob(msgspec.Struct, frozen=True, gc=False):
     """A job the mock backend accepted."""
 
     job_id: int
@@ -88,8 +88,7 @@ class MockBackend(ThreadedBackend):
     @property
     def submitted(self) -> list[MockJob]:
         """Every job accepted so far, in submission order (a copy)."""
-        with self._gate:
-            return list(self._submitted)
+        return list(self._submitted)  # appended to without a lock; copying is atomic
 
     @property
     def held(self) -> list[int]:
@@ -122,10 +121,12 @@ class MockBackend(ThreadedBackend):
     # -- backend --------------------------------------------------------------
 
     def submit(self, job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec) -> None:
-        with self._gate:  # hold it before a worker can see it
-            hold = not self._gate_open and job_id not in self._held
-            if hold:
-                self._held[job_id] = None
+        hold = False
+        if not self._gate_open:  # an open gate costs no lock: most runs never shut it
+            with self._gate:  # hold it before a worker can see it
+                hold = not self._gate_open and job_id not in self._held
+                if hold:
+                    self._held[job_id] = None
         try:
             super().submit(job_id, src, dst)
         except BaseException:
@@ -133,8 +134,9 @@ class MockBackend(ThreadedBackend):
                 with self._gate:
                     self._held.pop(job_id, None)
             raise
-        with self._gate:
-            self._submitted.append(MockJob(job_id, job_direction(src, dst), src, dst))
+
+    def admitted(self, job: ThreadedJob) -> None:
+        self._submitted.append(MockJob(job.job_id, job.direction, job.src, job.dst))
 
     def prepare(self, job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec) -> ThreadedJob:
         if self.layout is None:
@@ -143,18 +145,23 @@ class MockBackend(ThreadedBackend):
         return ThreadedJob(job_id, plan.direction, plan, src, dst)
 
     def execute(self, job: ThreadedJob) -> None:
-        mock_job = MockJob(job.job_id, job.direction, job.src, job.dst)
-        with self._gate:
-            self._gate.wait_for(
-                lambda: job.job_id not in self._held or job.job_id in self._released
-            )
-            self._held.pop(job.job_id, None)
-            self._released.discard(job.job_id)
-        delay = self._delay(mock_job) if callable(self._delay) else self._delay
+        if job.job_id in self._held:  # only submit adds it, before the job is queued
+            with self._gate:
+                self._gate.wait_for(
+                    lambda: job.job_id not in self._held or job.job_id in self._released
+                )
+                self._held.pop(job.job_id, None)
+                self._released.discard(job.job_id)
+        delay, fail = self._delay, self._fail
+        if callable(delay) or callable(fail):
+            mock_job = MockJob(job.job_id, job.direction, job.src, job.dst)
+            delay = delay(mock_job) if callable(delay) else delay
+            failing = fail(mock_job) if callable(fail) else fail is not None and job.job_id in fail
+        else:
+            failing = fail is not None and job.job_id in fail
         if delay > 0:
             time.sleep(delay)
-        fail = self._fail
-        if fail is not None and (fail(mock_job) if callable(fail) else job.job_id in fail):
+        if failing:
             raise TransferError(f"scripted failure of job {job.job_id}")
         if self._copier is not None and job.plan is not None:
             self._copier.copy(job.plan)

@@ -15,8 +15,9 @@ import threading
 import time
 from abc import abstractmethod
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Generic, TypeVar
+
+import msgspec
 
 from tiering.errors import ResourceClosedError
 from tiering.specs import LoadStoreSpec
@@ -65,8 +66,7 @@ class DirectionWorker(Generic[J]):
                 logger.exception("transfer worker %s: job crashed", self.thread.name)
 
 
-@dataclass(frozen=True)
-class ThreadedJob:
+class ThreadedJob(msgspec.Struct, frozen=True, gc=False):
     """A job admitted to a `ThreadedBackend`; ``plan`` is ``None`` for layout-less mocks."""
 
     job_id: int
@@ -115,7 +115,11 @@ class ThreadedBackend(TransferBackend):
             raise ResourceClosedError(f"the {self.name} backend is {self._tracker.state.value}")
         job = self.prepare(job_id, src, dst)
         self._tracker.admit(job_id, job.direction)
+        self.admitted(job)
         self._workers[job.direction].put(job)
+
+    def admitted(self, job: ThreadedJob) -> None:
+        """Called in `submit` once ``job`` is admitted, before a worker can run it."""
 
     def _run(self, job: ThreadedJob) -> None:
         started = time.perf_counter()
