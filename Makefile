@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 TRACE ?= ../shared/traces/conversation_trace.jsonl
 
-.PHONY: install test run check lint bench clean
+.PHONY: install test run check lint bench dashboards clean
 
 $(BIN)/tiering:
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,13 @@ bench: install
 	$(BIN)/python bench/manager.py
 	$(BIN)/python bench/transfer.py
 	$(BIN)/python bench/engine.py
+
+# Regenerate dashboards/tiering.json; check and unit-test the alert rules where promtool is.
+dashboards: install
+	$(BIN)/python dashboards/generate.py
+	@if command -v promtool >/dev/null 2>&1; then \
+		promtool check rules dashboards/alerts.yml && promtool test rules dashboards/alerts_test.yml; \
+	else echo "promtool not found (apt-get install prometheus): alert rules not checked"; fi
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

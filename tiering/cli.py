@@ -8,9 +8,10 @@ traceback; every subcommand reports through `_fail`.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
-from collections.abc import Sequence
-from typing import NoReturn
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, NoReturn
 
 import msgspec
 
@@ -18,6 +19,10 @@ from tiering.errors import TieringError
 from tiering.policies import POLICY_NAMES
 from tiering.simulate import SimulationResult, requests_to_keys, simulate_keys
 from tiering.workload import WORKLOADS, Request, load_workload, read_trace
+
+if TYPE_CHECKING:
+    from tiering.engine import TieringEngine
+    from tiering.metrics import MetricsServer
 
 __all__ = ["main"]
 
@@ -40,6 +45,28 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(
+            f"expected a port from 0 to 65535 (0 for any free port), got {text!r}"
+        )
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
     return value
 
 
@@ -159,6 +186,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="transfer backend (default auto: cuda for CUDA tensors, else cpu)",
     )  # fmt: skip
     rep.add_argument("--verify", action="store_true", help="check every loaded chunk byte for byte")
+    rep.add_argument(
+        "--metrics-port", type=_port, metavar="P",
+        help="serve Prometheus metrics on port P while the replay runs (0: any free port)",
+    )  # fmt: skip
+    rep.add_argument(
+        "--metrics-host", default="127.0.0.1", metavar="H",
+        help="address the metrics server binds to (default 127.0.0.1)",
+    )  # fmt: skip
+    rep.add_argument(
+        "--hold", type=_seconds, default=0.0, metavar="S",
+        help="stay up S seconds after the replay, the engine still open (for a last scrape)",
+    )  # fmt: skip
     rep.add_argument("--json", action="store_true", help="print one JSON object")
     rep.set_defaults(run=_run_replay)
     return parser
@@ -204,8 +243,17 @@ def _run_replay(args: argparse.Namespace) -> None:
         concurrency=args.concurrency,
         verify=args.verify,
         backend=args.backend,
+        hold=args.hold,
     )
-    result = run_replay(requests, options, show_progress=not args.json and sys.stderr.isatty())
+    on_open = None
+    if args.metrics_port is not None:
+        on_open = _metrics_server(args.metrics_host, args.metrics_port)
+    result = run_replay(
+        requests,
+        options,
+        show_progress=not args.json and sys.stderr.isatty(),
+        on_open=on_open,
+    )
     if args.json:
         sys.stdout.buffer.write(msgspec.json.encode(result) + b"\n")
         return
@@ -226,6 +274,17 @@ def _run_replay(args: argparse.Namespace) -> None:
     ]  # fmt: skip
     width = max(len(name) for name, _ in rows)
     print("\n".join(f"{name:<{width}}  {value}" for name, value in rows))
+
+
+def _metrics_server(host: str, port: int) -> Callable[[TieringEngine], MetricsServer]:
+    from tiering.metrics import serve_metrics  # prometheus-client: only when asked for
+
+    def start(engine: TieringEngine) -> MetricsServer:
+        server = serve_metrics(engine, host, port=port)
+        print(f"tiering: serving metrics at {server.url}", file=sys.stderr, flush=True)
+        return server
+
+    return start
 
 
 def _simulation_table(results: Sequence[SimulationResult]) -> str:

@@ -19,6 +19,7 @@ trace, capacity and policy.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
@@ -60,8 +61,11 @@ class ReplayOptions(msgspec.Struct, frozen=True, kw_only=True):
     concurrency: int = 4
     verify: bool = False
     backend: str = "auto"
+    hold: float = 0.0  # seconds to stay up after the requests, the engine still open
 
     def __post_init__(self) -> None:
+        if not (math.isfinite(self.hold) and self.hold >= 0):
+            raise ConfigError(f"hold must be a number of seconds >= 0, got {self.hold}")
         for name in ("bytes_per_token", "block_tokens", "concurrency"):
             value = getattr(self, name)
             if value < 1:
@@ -116,7 +120,11 @@ def replay_config(options: ReplayOptions) -> OffloadingConfig:
 
 
 class _Pages:
-    """Deterministic page contents derived from chunk keys, and their checks."""
+    """Deterministic page contents derived from chunk keys, and their checks.
+
+    A request's blocks are a contiguous range of rows of the emulated KV cache,
+    so "computing" them is one in-place broadcast add (no temporary, no index).
+    """
 
     def __init__(self, kv: torch.Tensor) -> None:
         self.kv = kv
@@ -125,18 +133,20 @@ class _Pages:
     @staticmethod
     def seeds(keys: Sequence[OffloadKey]) -> torch.Tensor:
         values = [int.from_bytes(k[:8], "big", signed=True) ^ len(k) for k in keys]
-        return torch.tensor(values, dtype=torch.int64) * _MIX
+        return torch.tensor(values, dtype=torch.int64).mul_(_MIX)[:, None]
 
-    def expected(self, keys: Sequence[OffloadKey]) -> torch.Tensor:
-        return self.seeds(keys)[:, None] + self.base[None, :]
+    def fill(self, start: int, keys: Sequence[OffloadKey]) -> None:
+        """Write the pages of ``keys`` into rows ``start, start + 1, ...``."""
+        torch.add(self.seeds(keys), self.base, out=self.kv[start : start + len(keys)])
 
-    def fill(self, blocks: torch.Tensor, keys: Sequence[OffloadKey]) -> None:
-        self.kv.index_copy_(0, blocks, self.expected(keys))
+    def poison(self, start: int, count: int) -> None:
+        """Fill rows with a constant that no key derives."""
+        self.kv[start : start + count].fill_(_POISON)
 
-    def corrupt(self, blocks: torch.Tensor, keys: Sequence[OffloadKey]) -> int:
-        """How many of ``blocks`` do not hold exactly the bytes of their key."""
-        got = torch.index_select(self.kv, 0, blocks)
-        return int((got != self.expected(keys)).any(dim=1).sum())
+    def corrupt(self, start: int, keys: Sequence[OffloadKey]) -> int:
+        """How many of the rows from ``start`` do not hold exactly the bytes of their key."""
+        got = self.kv[start : start + len(keys)]
+        return int(got.ne(self.seeds(keys) + self.base).any(dim=1).sum())
 
 
 class _Tally:
@@ -178,8 +188,14 @@ async def replay(
     *,
     progress: Callable[[int, int, int, int], None] | None = None,
     backend_options: Mapping[str, Any] | None = None,
+    on_open: Callable[[TieringEngine], contextlib.AbstractAsyncContextManager[object]]
+    | None = None,
 ) -> ReplayResult:
-    """Replay ``requests`` through a fresh engine; see the module docstring."""
+    """Replay ``requests`` through a fresh engine; see the module docstring.
+
+    ``on_open(engine)`` (a metrics server, say) is entered once the engine is
+    open and exited after ``options.hold``, before the engine closes.
+    """
     config = replay_config(options)
     request_keys = requests_to_keys(requests)
     max_blocks = max((len(k) for k in request_keys), default=0) or 1
@@ -208,7 +224,8 @@ async def replay(
     order = iter(range(len(request_keys)))
 
     async def serve(worker: int) -> None:
-        region = torch.arange(worker * max_blocks, (worker + 1) * max_blocks, dtype=torch.int64)
+        first = worker * max_blocks  # this worker's region: rows first .. first + max_blocks
+        region = np.arange(first, first + max_blocks, dtype=np.int64)
         for index in order:
             keys = request_keys[index]
             blocks = region[: len(keys)]
@@ -216,11 +233,9 @@ async def replay(
             load: JobHandle | None = None
             if hits:
                 if options.verify:  # no key derives these bytes: a load that never lands shows
-                    kv.index_fill_(0, blocks[:hits], _POISON)
+                    pages.poison(first, hits)
                 try:
-                    load = await engine.submit_load(
-                        keys[:hits], GPULoadStoreSpec(blocks[:hits].numpy())
-                    )
+                    load = await engine.submit_load(keys[:hits], GPULoadStoreSpec(blocks[:hits]))
                 except ChunkStateError:
                     # Evicted by another request while this one waited for queue
                     # room: a server would recompute them, and so does the replay.
@@ -229,16 +244,14 @@ async def replay(
             tally.hit_blocks += hits
             store: JobHandle | None = None
             if hits < len(keys):
-                pages.fill(blocks[hits:], keys[hits:])  # "compute" what was not loaded
-                store = await engine.submit_store(
-                    keys[hits:], GPULoadStoreSpec(blocks[hits:].numpy())
-                )
+                pages.fill(first + hits, keys[hits:])  # "compute" what was not loaded
+                store = await engine.submit_store(keys[hits:], GPULoadStoreSpec(blocks[hits:]))
             if load is not None:
                 result = await load
                 tally.add(result, load=True)
                 if options.verify and result.success:
-                    tally.corrupt += pages.corrupt(blocks[:hits], keys[:hits])
-            await engine.flush(blocks.numpy())  # the store has read the blocks: it is done
+                    tally.corrupt += pages.corrupt(first, keys[:hits])
+            await engine.flush(blocks)  # the store has read the blocks: it is done
             if store is not None:
                 tally.add(await store, load=False)
             engine.touch(keys)
@@ -246,13 +259,17 @@ async def replay(
             if progress is not None:
                 progress(tally.done, len(request_keys), tally.hit_blocks, tally.blocks)
 
-    async with engine:
+    async with engine, contextlib.AsyncExitStack() as services:
+        if on_open is not None:
+            await services.enter_async_context(on_open(engine))
         start = time.perf_counter()
         async with anyio.create_task_group() as tg:
             for worker in range(options.concurrency):
                 tg.start_soon(serve, worker)
         seconds = time.perf_counter() - start
         stats = engine.manager.statistics()
+        if options.hold:
+            await anyio.sleep(options.hold)
     return ReplayResult(
         requests=len(request_keys),
         blocks=tally.blocks,
@@ -312,8 +329,13 @@ class ProgressBar:
 
 
 def run_replay(
-    requests: Sequence[Request], options: ReplayOptions, *, show_progress: bool = False
+    requests: Sequence[Request],
+    options: ReplayOptions,
+    *,
+    show_progress: bool = False,
+    on_open: Callable[[TieringEngine], contextlib.AbstractAsyncContextManager[object]]
+    | None = None,
 ) -> ReplayResult:
     """Run `replay` on a fresh asyncio event loop."""
     bar = ProgressBar() if show_progress else None
-    return anyio.run(lambda: replay(requests, options, progress=bar))
+    return anyio.run(lambda: replay(requests, options, progress=bar, on_open=on_open))

@@ -1,0 +1,451 @@
+"""Generate ``dashboards/tiering.json``, the Grafana dashboard of `tiering`.
+
+The panels and their PromQL live here, as data; the JSON is derived, so every
+panel has the same datasource, selectors and layout conventions. Run
+``make dashboards`` (or ``python dashboards/generate.py``) after an edit;
+``--check`` exits 1 when the JSON on disk is not what this script makes
+(tests/test_dashboards.py checks the same).
+
+Every query selects ``instance=~"$instance", engine=~"$engine"``; rates use
+Grafana's ``$__rate_interval``. The datasource is the ``datasource`` variable:
+no datasource uid is written into the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+OUTPUT = Path(__file__).resolve().parent / "tiering.json"
+
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+SEL = 'instance=~"$instance", engine=~"$engine"'
+RATE = "$__rate_interval"
+WHO = "{{instance}} {{engine}}"
+BUCKETS = "tiering_transfer_seconds_bucket"
+BY_LE = "instance, engine, direction, le"  # legend prefix: which engine of which process
+
+
+def legend(*parts: str) -> str:
+    """A legend: the engine, then ``{{label}}`` for each label name, or the text of a word."""
+    words = [f"{{{{{p}}}}}" if p in ("direction", "outcome", "sink") else p for p in parts]
+    return " ".join([WHO, *words])
+
+
+def rate(family: str, by: str, matchers: str = "") -> str:
+    inner = f"{matchers}, {SEL}" if matchers else SEL
+    return f"sum by ({by}) (rate({family}{{{inner}}}[{RATE}]))"
+
+
+def target(expr: str, legend: str, ref: str, *, instant: bool = False) -> dict[str, Any]:
+    return {
+        "datasource": DATASOURCE,
+        "editorMode": "code",
+        "expr": expr,
+        "format": "table" if instant else "time_series",
+        "instant": instant,
+        "legendFormat": legend,
+        "range": not instant,
+        "refId": ref,
+    }
+
+
+def targets(*queries: tuple[str, str]) -> list[dict[str, Any]]:
+    return [target(expr, legend, chr(ord("A") + i)) for i, (expr, legend) in enumerate(queries)]
+
+
+def timeseries(
+    title: str,
+    description: str,
+    queries: list[dict[str, Any]],
+    *,
+    unit: str = "short",
+    w: int = 12,
+    h: int = 8,
+    axis: str = "",
+    max_value: float | None = None,
+) -> dict[str, Any]:
+    defaults: dict[str, Any] = {
+        "unit": unit,
+        "min": 0,
+        "custom": {
+            "axisLabel": axis,
+            "drawStyle": "line",
+            "fillOpacity": 10,
+            "lineWidth": 1,
+            "showPoints": "never",
+            "spanNulls": False,
+        },
+    }
+    if max_value is not None:
+        defaults["max"] = max_value
+    return {
+        "type": "timeseries",
+        "title": title,
+        "description": description,
+        "datasource": DATASOURCE,
+        "gridPos": {"h": h, "w": w},
+        "fieldConfig": {"defaults": defaults, "overrides": []},
+        "options": {
+            "legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+            "tooltip": {"mode": "multi", "sort": "desc"},
+        },
+        "targets": queries,
+    }
+
+
+def gauge(title: str, description: str, query: dict[str, Any], *, w: int, h: int) -> dict[str, Any]:
+    return {
+        "type": "gauge",
+        "title": title,
+        "description": description,
+        "datasource": DATASOURCE,
+        "gridPos": {"h": h, "w": w},
+        "fieldConfig": {
+            "defaults": {
+                "unit": "percentunit",
+                "min": 0,
+                "max": 1,
+                "thresholds": {
+                    "mode": "absolute",
+                    "steps": [{"color": "green", "value": None}],
+                },
+            },
+            "overrides": [],
+        },
+        "options": {
+            "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+            "showThresholdLabels": False,
+            "showThresholdMarkers": False,
+        },
+        "targets": [query],
+    }
+
+
+def stat(
+    title: str, description: str, query: dict[str, Any], *, unit: str, w: int, h: int
+) -> dict[str, Any]:
+    return {
+        "type": "stat",
+        "title": title,
+        "description": description,
+        "datasource": DATASOURCE,
+        "gridPos": {"h": h, "w": w},
+        "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+        "options": {
+            "colorMode": "none",
+            "graphMode": "none",
+            "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+            "textMode": "value_and_name",
+        },
+        "targets": [query],
+    }
+
+
+def table(title: str, description: str, query: dict[str, Any], *, w: int, h: int) -> dict[str, Any]:
+    hidden = ["Time", "Value", "__name__", "job", "tier"]
+    return {
+        "type": "table",
+        "title": title,
+        "description": description,
+        "datasource": DATASOURCE,
+        "gridPos": {"h": h, "w": w},
+        "fieldConfig": {"defaults": {}, "overrides": []},
+        "options": {"showHeader": True, "cellHeight": "sm"},
+        "transformations": [
+            {"id": "organize", "options": {"excludeByName": dict.fromkeys(hidden, True)}}
+        ],
+        "targets": [query],
+    }
+
+
+def row(title: str) -> dict[str, Any]:
+    return {"type": "row", "title": title, "collapsed": False, "panels": [], "gridPos": {"h": 1}}
+
+
+def panels() -> list[dict[str, Any]]:
+    cpu = f'tier="cpu", {SEL}'
+    return [
+        row("CPU tier"),
+        timeseries(
+            "CPU tier occupancy",
+            "Chunks held by the CPU tier (being written or ready) against its capacity.",
+            targets(
+                (f"tiering_chunks_used{{{cpu}}}", legend("used")),
+                (f"tiering_chunks_capacity{{{cpu}}}", legend("capacity")),
+            ),
+            axis="chunks",
+        ),
+        gauge(
+            "Occupancy ratio",
+            "Used chunks over capacity. A cache runs full: this alone is no alarm; "
+            "refused stores (allocation failures) are.",
+            target(f"tiering_occupancy_ratio{{{cpu}}}", WHO, "A"),
+            w=6,
+            h=8,
+        ),
+        stat(
+            "Tier size",
+            "Host memory of the CPU tier.",
+            target(f"tiering_tier_bytes{{{cpu}}}", WHO, "A"),
+            unit="bytes",
+            w=6,
+            h=8,
+        ),
+        timeseries(
+            "Writing, pinned and evictable chunks",
+            "Writing: stores in progress (not readable yet). Pinned: chunks being loaded "
+            "(never evicted). Evictable: ready and unpinned; when it reaches 0 stores are refused.",
+            targets(
+                (f"tiering_chunks_writing{{{cpu}}}", legend("writing")),
+                (f"tiering_chunks_pinned{{{cpu}}}", legend("pinned")),
+                (f"tiering_chunks_evictable{{{cpu}}}", legend("evictable")),
+            ),
+            axis="chunks",
+        ),
+        timeseries(
+            "Lookup hit ratio",
+            "Chunk lookups that found a ready chunk, over all lookups (hit, pending, miss).",
+            targets(
+                (
+                    rate("tiering_lookups_total", "instance, engine", 'result="hit"')
+                    + " / "
+                    + rate("tiering_lookups_total", "instance, engine"),
+                    WHO,
+                )
+            ),
+            unit="percentunit",
+            max_value=1,
+        ),
+        timeseries(
+            "Evictions/s",
+            "Chunks evicted per second to make room for new stores.",
+            targets((rate("tiering_evictions_total", "instance, engine"), WHO)),
+            axis="chunks/s",
+        ),
+        timeseries(
+            "Allocation failures/s",
+            "Stores refused per second because no room could be made: every chunk was "
+            "pinned or being written. Sustained, the tier is too small for the load.",
+            targets((rate("tiering_allocation_failures_total", "instance, engine"), WHO)),
+            axis="stores/s",
+        ),
+        row("Transfers"),
+        timeseries(
+            "Transfer throughput",
+            "Bytes moved per second by finished jobs: store is GPU to CPU, load is CPU to GPU.",
+            targets(
+                (
+                    rate("tiering_transfer_bytes_total", "instance, engine, direction"),
+                    legend("direction"),
+                ),
+            ),
+            unit="Bps",
+        ),
+        timeseries(
+            "Job latency p50 / p99",
+            "Latency of a job from submission to completion, from the histogram.",
+            targets(
+                *(
+                    (
+                        f"histogram_quantile({q}, {rate(BUCKETS, BY_LE)})",
+                        legend("direction", f"p{round(q * 100)}"),
+                    )
+                    for q in (0.5, 0.99)
+                )
+            ),
+            unit="s",
+        ),
+        timeseries(
+            "Jobs queued and in flight",
+            "Jobs waiting in the scheduler's queues, and jobs with bytes at the backend.",
+            targets(
+                (f"tiering_jobs_queued{{{cpu}}}", legend("direction", "queued")),
+                (f"tiering_jobs_in_flight{{{cpu}}}", legend("direction", "in flight")),
+            ),
+            axis="jobs",
+        ),
+        timeseries(
+            "Jobs/s by outcome",
+            "ok, failed (a transfer error), cancelled (before any byte moved), "
+            "rejected (a store that found no room).",
+            targets(
+                (
+                    rate("tiering_jobs_total", "instance, engine, direction, outcome"),
+                    legend("direction", "outcome"),
+                ),
+            ),
+            axis="jobs/s",
+        ),
+        timeseries(
+            "Failed jobs",
+            "Transfer jobs that failed (a copy error in the backend), per interval.",
+            targets(
+                (
+                    "sum by (instance, engine, direction) "
+                    f'(increase(tiering_jobs_total{{outcome="failed", {SEL}}}[{RATE}]))',
+                    legend("direction"),
+                )
+            ),
+            axis="jobs",
+        ),
+        row("Events"),
+        timeseries(
+            "Events published/s",
+            "KV cache events published per second, by sink (no data while events are off).",
+            targets(
+                (
+                    rate("tiering_events_published_total", "instance, engine, sink"),
+                    legend("sink"),
+                )
+            ),
+            axis="events/s",
+        ),
+        timeseries(
+            "Events dropped",
+            "KV cache events a sink dropped (a slow subscriber, a full buffer), per interval. "
+            "A subscriber that lost events must resynchronise.",
+            targets(
+                (
+                    "sum by (instance, engine, sink) "
+                    f"(increase(tiering_events_dropped_total{{{SEL}}}[{RATE}]))",
+                    legend("sink"),
+                )
+            ),
+            axis="events",
+        ),
+        row("Engines"),
+        table(
+            "Tiers",
+            "Static facts of each engine's CPU tier (tiering_info).",
+            target(f"tiering_info{{{SEL}}}", "", "A", instant=True),
+            w=24,
+            h=6,
+        ),
+    ]
+
+
+def layout(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Number the panels and place them left to right, in rows of 24 columns."""
+    x = y = line = 0
+    for panel_id, panel in enumerate(items, start=1):
+        grid = panel["gridPos"]
+        grid.setdefault("w", 24)
+        if panel["type"] == "row" or x + grid["w"] > 24:
+            x, y, line = 0, y + line, 0
+        grid["x"], grid["y"] = x, y
+        panel["id"] = panel_id
+        if panel["type"] == "row":
+            y += grid["h"]
+        else:
+            x += grid["w"]
+            line = max(line, grid["h"])
+    return items
+
+
+def variables() -> list[dict[str, Any]]:
+    def query(name: str, label: str, promql: str) -> dict[str, Any]:
+        return {
+            "name": name,
+            "label": label,
+            "type": "query",
+            "datasource": DATASOURCE,
+            "definition": promql,
+            "query": {"query": promql, "refId": "PrometheusVariableQueryEditor-VariableQuery"},
+            "refresh": 2,
+            "regex": "",
+            "sort": 1,
+            "multi": True,
+            "includeAll": True,
+            "allValue": ".*",
+            "current": {},
+            "options": [],
+            "hide": 0,
+        }
+
+    return [
+        {
+            "name": "datasource",
+            "label": "Data source",
+            "type": "datasource",
+            "query": "prometheus",
+            "refresh": 1,
+            "regex": "",
+            "current": {},
+            "options": [],
+            "hide": 0,
+        },
+        query("instance", "Instance", "label_values(tiering_info, instance)"),
+        query("engine", "Engine", 'label_values(tiering_info{instance=~"$instance"}, engine)'),
+    ]
+
+
+def dashboard() -> dict[str, Any]:
+    return {
+        "__requires": [
+            {"type": "grafana", "id": "grafana", "name": "Grafana", "version": "10.4.0"},
+            {"type": "datasource", "id": "prometheus", "name": "Prometheus", "version": "1.0.0"},
+            {"type": "panel", "id": "timeseries", "name": "Time series", "version": ""},
+            {"type": "panel", "id": "gauge", "name": "Gauge", "version": ""},
+            {"type": "panel", "id": "stat", "name": "Stat", "version": ""},
+            {"type": "panel", "id": "table", "name": "Table", "version": ""},
+        ],
+        "annotations": {
+            "list": [
+                {
+                    "builtIn": 1,
+                    "datasource": {"type": "grafana", "uid": "-- Grafana --"},
+                    "enable": True,
+                    "hide": True,
+                    "iconColor": "rgba(0, 211, 255, 1)",
+                    "name": "Annotations & Alerts",
+                    "type": "dashboard",
+                }
+            ]
+        },
+        "description": "tiering: the KV-cache CPU tier of each engine: occupancy, transfers, "
+        "lookups, evictions and KV cache events.",
+        "editable": True,
+        "fiscalYearStartMonth": 0,
+        "graphTooltip": 1,
+        "id": None,
+        "links": [],
+        "panels": layout(panels()),
+        "refresh": "10s",
+        "schemaVersion": 39,
+        "tags": ["tiering", "kv-cache"],
+        "templating": {"list": variables()},
+        "time": {"from": "now-1h", "to": "now"},
+        "timepicker": {},
+        "timezone": "",
+        "title": "tiering: KV-cache CPU tier",
+        "uid": "tiering-kv-cache",
+        "version": 1,
+        "weekStart": "",
+    }
+
+
+def render() -> str:
+    return json.dumps(dashboard(), indent=2) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if the JSON is stale")
+    args = parser.parse_args(argv)
+    text = render()
+    if args.check:
+        if not OUTPUT.exists() or OUTPUT.read_text() != text:
+            print(f"{OUTPUT} is stale: run make dashboards", file=sys.stderr)
+            return 1
+        return 0
+    OUTPUT.write_text(text)
+    print(f"wrote {OUTPUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
