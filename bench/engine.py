@@ -8,8 +8,10 @@
    shows the scheduler and manager alone, without the worker thread.
 2. Replay: `tiering replay` on the conversation trace (or the chat workload)
    with the ``cpu`` backend, bytes moved per second of wall time, beside the
-   cpu backend's own throughput on the same page size measured in the same run
-   (jobs of a request's size submitted straight to the backend).
+   cpu backend's own throughput on the very jobs the replay gave it, run again
+   alone in the same order (same KV shape and pool size): the ratio is what the
+   replay's own work costs (the emulated compute, which writes every stored
+   page once more, the per-request Python, and the waits between steps).
 
 Like a server after start-up, the process freezes its start-up heap out of the
 garbage collector (`gc.freeze`, as vLLM does) before measuring; ``--no-freeze``
@@ -21,6 +23,7 @@ measures without it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import time
@@ -123,42 +126,64 @@ async def overhead(backend: str, jobs: int, window: int) -> dict[str, Any]:
     }
 
 
-def backend_throughput(page_bytes: int, blocks_per_job: int, jobs: int) -> float:
-    """GB/s of the cpu backend alone, storing then loading jobs of ``blocks_per_job`` pages."""
-    words = page_bytes // 8
-    kv = torch.ones((blocks_per_job, words), dtype=torch.int64)
-    layout = KVLayout([KVCacheTensor(kv, blocks_per_job, page_bytes)], 1)
-    pool = HostMemoryPool(layout.pool_bytes(blocks_per_job * jobs))
+class _Recorder:
+    """Records every job the replay's backend is given, to run them again alone."""
+
+    def __init__(self) -> None:
+        self.jobs: list[tuple[LoadStoreSpec, LoadStoreSpec]] = []
+        self.kv_shape: tuple[int, ...] = ()
+        self.pool_bytes = 0
+
+    def __call__(self, engine: TieringEngine) -> contextlib.AbstractAsyncContextManager[None]:
+        backend = engine.backend
+        submit = backend.submit
+        self.kv_shape = tuple(engine.layout.tensors[0].tensor.shape)
+        self.pool_bytes = engine.layout.pool_bytes(engine.manager.capacity)
+
+        def recording(job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec) -> None:
+            submit(job_id, src, dst)
+            self.jobs.append((src, dst))
+
+        backend.submit = recording  # type: ignore[method-assign]
+        return contextlib.nullcontext()
+
+
+def backend_throughput(recorder: _Recorder, window: int = 64) -> float:
+    """GB/s of the cpu backend alone on the replay's own jobs, in the same order.
+
+    The same KV tensor shape and pool size, the pool faulted in first (as the
+    engine does), at most ``window`` jobs in flight: only the replay's own
+    work (the emulated compute, the per-request Python, the waits) is left out.
+    """
+    kv = torch.ones(recorder.kv_shape, dtype=torch.int64)
+    page_bytes = kv[0].numel() * kv.element_size()
+    layout = KVLayout([KVCacheTensor(kv, kv.shape[0], page_bytes)], 1)
+    pool = HostMemoryPool(recorder.pool_bytes, populate=True)
     backend = CpuBackend(layout, pool)
+    moved = 0
     try:
-        gpu = GPULoadStoreSpec(list(range(blocks_per_job)))
-        specs = [
-            CPULoadStoreSpec(list(range(j * blocks_per_job, (j + 1) * blocks_per_job)))
-            for j in range(jobs)
-        ]
-        pool.tensor.fill_(0)  # fault the pages in outside the timing
         start = time.perf_counter()
-        for j, cpu in enumerate(specs):
-            backend.submit(j, gpu, cpu)
-        for j, cpu in enumerate(specs):
-            backend.submit(jobs + j, cpu, gpu)
-        backend.wait(range(2 * jobs))
+        for j, (src, dst) in enumerate(recorder.jobs):
+            if j >= window:
+                backend.wait([j - window])
+            backend.submit(j, src, dst)
+            moved += layout.plan(src, dst, layout.num_chunks(pool.nbytes)).nbytes
+        backend.wait(range(len(recorder.jobs)))
         seconds = time.perf_counter() - start
     finally:
         backend.close()
         pool.close()
-    return 2 * jobs * blocks_per_job * page_bytes / seconds / 1e9
+    return moved / seconds / 1e9
 
 
 def replay_row(requests: int) -> dict[str, Any]:
     workload = read_trace(TRACE, limit=requests) if TRACE.exists() else chat_workload(requests)
     options = ReplayOptions(capacity_tokens=3_000_000, concurrency=4)
-    result = anyio.run(lambda: replay(workload, options))
+    recorder = _Recorder()
+    result = anyio.run(lambda: replay(workload, options, on_open=recorder))
     moved = result.store_bytes + result.load_bytes
     replay_gbps = moved / result.seconds / 1e9
-    blocks = max(1, result.blocks // max(1, result.requests))
-    page = options.bytes_per_token * options.block_tokens
-    limit = backend_throughput(page, blocks, jobs=max(8, (256 << 20) // (blocks * page)))
+    limit = backend_throughput(recorder)
     return {
         "bench": "replay",
         "backend": result.backend,

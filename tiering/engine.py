@@ -138,6 +138,8 @@ class TieringEngine:
     constructor. Scheduler limits come from ``limits`` or from the config's
     ``extra_config`` (``max_queued_jobs``, ``max_inflight_bytes``, ``slice_chunks``,
     ``max_load_slices``). ``engine_id`` names the engine in metrics.
+    ``prefault`` maps the whole CPU tier at open (the memory is committed
+    then, and no store pays a page fault later); ``False`` maps it lazily.
     """
 
     def __init__(
@@ -151,6 +153,7 @@ class TieringEngine:
         backend_options: Mapping[str, Any] | None = None,
         limits: SchedulerLimits | None = None,
         engine_id: str | None = None,
+        prefault: bool = True,
     ) -> None:
         if isinstance(cpu_bytes, bool) or not isinstance(cpu_bytes, int) or cpu_bytes < 1:
             raise ConfigError(f"cpu_bytes must be a positive integer, got {cpu_bytes!r}")
@@ -192,6 +195,7 @@ class TieringEngine:
             group_num_blocks=self.layout.group_num_blocks,
             limits=_limits(config, limits),
         )
+        self._prefault = prefault
         self._pool: HostMemoryPool | None = None
         self._backend: TransferBackend | None = None
         self._state = _State.NEW
@@ -213,7 +217,9 @@ class TieringEngine:
     async def __aenter__(self) -> Self:
         if self._state is not _State.NEW:
             raise ResourceClosedError(f"the engine is {self._state.value}; an engine opens once")
-        self._pool = HostMemoryPool(self.layout.pool_bytes(self.manager.capacity))
+        self._pool = HostMemoryPool(
+            self.layout.pool_bytes(self.manager.capacity), populate=self._prefault
+        )
         try:
             self.scheduler.open()
         except BaseException:
