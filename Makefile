@@ -40,6 +40,7 @@ bench: install
 	$(BIN)/python bench/manager.py
 	$(BIN)/python bench/transfer.py
 	$(BIN)/python bench/engine.py
+	$(BIN)/python bench/events.py
 
 # Regenerate dashboards/tiering.json; check and unit-test the alert rules where promtool is.
 dashboards: install

@@ -1,0 +1,60 @@
+"""KVEventsConfig: vLLM's defaults, clear errors, and a package that imports light."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import msgspec
+import pytest
+
+from tiering.errors import ConfigError
+from tiering.events import HashFormat, KVEventsConfig
+
+
+def test_defaults_are_vllms() -> None:
+    config = KVEventsConfig()
+    assert config == KVEventsConfig(
+        endpoint="tcp://*:5557",
+        replay_endpoint=None,
+        topic="",
+        buffer_steps=10_000,
+        hwm=100_000,
+        max_queue_size=100_000,
+        hash_format=HashFormat.INT,
+    )
+    assert KVEventsConfig(hash_format="bytes").hash_format is HashFormat.BYTES  # type: ignore[arg-type]
+    decoded = msgspec.json.decode(b'{"hash_format": "bytes", "hwm": 0}', type=KVEventsConfig)
+    assert (decoded.hash_format, decoded.hwm) == (HashFormat.BYTES, 0)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"endpoint": "localhost:5557"}, "KVEventsConfig.endpoint must be a ZeroMQ endpoint"),
+        ({"endpoint": "http://x:1"}, r"transports: tcp, ipc.*got 'http://x:1'"),
+        ({"endpoint": "tcp://"}, "got 'tcp://'"),
+        ({"replay_endpoint": "5558"}, "KVEventsConfig.replay_endpoint must be a ZeroMQ endpoint"),
+        ({"topic": 7}, "KVEventsConfig.topic must be a string, got 7"),
+        ({"buffer_steps": 0}, r"KVEventsConfig.buffer_steps must be an integer >= 1 .*got 0"),
+        ({"hwm": -1}, r"KVEventsConfig.hwm must be an integer >= 0 .*got -1"),
+        ({"max_queue_size": True}, r"KVEventsConfig.max_queue_size must be .*got True"),
+        ({"max_queue_size": 2.5}, r"KVEventsConfig.max_queue_size must be .*got 2.5"),
+        ({"hash_format": "hex"}, "KVEventsConfig.hash_format must be 'int' or 'bytes', got 'hex'"),
+    ],
+)
+def test_bad_values_name_the_field_and_the_value(fields: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        KVEventsConfig(**fields)  # type: ignore[arg-type]
+
+
+def test_importing_the_package_loads_neither_zmq_nor_anyio() -> None:
+    code = (
+        "import sys, tiering.events as ev\n"
+        "assert ev.KVEventsConfig and ev.encode_batch\n"
+        "print(','.join(m for m in ('zmq', 'anyio') if m in sys.modules))\n"
+        "ev.ZmqSubscriber\n"
+        "print('zmq' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True"]

@@ -1,0 +1,296 @@
+"""The ZMQ publisher of KV event batches: live on a PUB socket, history on a ROUTER socket.
+
+Wire protocol (vLLM's):
+
+- PUB, one message per batch: ``[topic, seq, payload]``; ``seq`` is 8 bytes
+  big-endian, 0 for the first batch and one more for each next one;
+  ``payload`` is the msgpack `KVEventBatch`.
+- ROUTER (optional): a DEALER sends ``[b"", start_seq]`` (8 bytes big-endian)
+  and gets ``[b"", topic, seq, payload]`` for every buffered batch with
+  ``seq >= start_seq``, in order, then ``[b"", b"", END_SEQ, b""]`` where
+  ``END_SEQ`` is -1 as 8 signed big-endian bytes.
+
+Design note: ZeroMQ sockets are not thread-safe and the event loop must never
+wait, so one thread owns the sockets. ``publish`` appends the batch to a
+bounded deque and, only when that thread is idle, wakes it with one byte on an
+inproc PAIR socket; the thread waits in a single ``zmq.Poller`` on that wake
+socket and the ROUTER, so it is asleep when there is nothing to do and answers
+replay requests even while it is busy sending. The thread encodes each batch
+(off the event loop), sends it, and keeps the last ``buffer_steps`` payloads
+for replay. Batches are numbered when published, so a batch dropped because
+the queue was full (its events counted) still uses its number: subscribers see
+the loss as a sequence gap that replay cannot fill. ZeroMQ itself drops
+messages for a subscriber past the PUB high-water mark, which no one can count
+here; those the subscriber sees as a gap that replay can fill.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import itertools
+import threading
+import time
+from collections import deque
+
+import msgspec
+import zmq
+
+from tiering.errors import ConfigError, ResourceClosedError
+from tiering.events.bus import SinkStatistics
+from tiering.events.config import KVEventsConfig
+from tiering.events.schema import KVEventBatch
+
+__all__ = ["END_SEQ", "PublisherState", "ZmqEventPublisher", "should_bind"]
+
+#: The sequence frame that ends a replay: -1 as 8 signed big-endian bytes.
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+_REPLAY_CHECK_EVERY = 64  # batches sent between looks at the replay socket while busy
+_ZERO_COPY_BYTES = 16384  # payloads at least this large are sent without a copy
+_wake_ids = itertools.count()
+
+
+def should_bind(endpoint: str) -> bool:
+    """vLLM's rule: bind a wildcard (``*``), a ``::`` address, ``ipc://`` and ``inproc://``."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+class PublisherState(enum.Enum):
+    OPEN = "open"
+    CLOSING = "closing"
+    CLOSED = "closed"
+
+
+class ZmqEventPublisher:
+    """Sends KV event batches on ZeroMQ from its own thread; an `EventSink` named ``"zmq"``.
+
+    ``publish`` never blocks and never waits for a subscriber. ``close`` is
+    idempotent: it sends what is queued for at most ``close_timeout`` seconds
+    (the rest is dropped and counted), gives ZeroMQ the rest of that time to
+    deliver, and joins the thread. Sockets bind or connect in the constructor;
+    an endpoint that cannot be used raises `ConfigError`.
+    """
+
+    def __init__(self, config: KVEventsConfig | None = None, *, close_timeout: float = 1.0) -> None:
+        self._config = config = KVEventsConfig() if config is None else config
+        if close_timeout < 0:
+            raise ConfigError(f"close_timeout must be >= 0 seconds, got {close_timeout!r}")
+        self._close_timeout = close_timeout
+        self._topic = config.topic.encode()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._queue: deque[tuple[int, KVEventBatch]] = deque()
+        self._max_queue = config.max_queue_size
+        self._buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=config.buffer_steps)
+        self._next_seq = 0  # numbered on publish: a dropped batch leaves a gap
+        self._published = 0
+        self._dropped_full = 0  # written by the caller of publish()
+        self._dropped_thread = 0  # written by the sender thread
+        self._replays = 0
+        self._state = PublisherState.OPEN
+        self._lock = threading.Lock()
+        self._idle = False
+        self._deadline = 0.0
+
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._pub = ctx.socket(zmq.PUB)
+        self._replay: zmq.Socket[bytes] | None = None
+        wake = f"inproc://tiering-events-wake-{next(_wake_ids)}"
+        self._wake_rx = ctx.socket(zmq.PAIR)
+        self._wake_tx: zmq.Socket[bytes] | None = ctx.socket(zmq.PAIR)
+        try:
+            self._pub.setsockopt(zmq.SNDHWM, config.hwm)
+            self._endpoint = self._attach(self._pub, "endpoint", config.endpoint)
+            self._replay_endpoint: str | None = None
+            if config.replay_endpoint is not None:
+                self._replay = ctx.socket(zmq.ROUTER)
+                # A whole replay must fit in the client's pipe, or its tail is dropped.
+                self._replay.setsockopt(zmq.SNDHWM, config.buffer_steps + 2)
+                self._replay_endpoint = self._attach(
+                    self._replay, "replay_endpoint", config.replay_endpoint, bind=True
+                )
+            self._wake_rx.bind(wake)
+            self._wake_tx.connect(wake)
+        except BaseException:
+            for sock in (self._pub, self._replay, self._wake_rx, self._wake_tx):
+                if sock is not None:
+                    sock.close(linger=0)
+            raise
+        self._thread = threading.Thread(
+            target=self._run, name="tiering-events-publisher", daemon=True
+        )
+        self._thread.start()
+
+    @staticmethod
+    def _attach(sock: zmq.Socket[bytes], field: str, endpoint: str, bind: bool = False) -> str:
+        """Bind or connect ``sock``; the address it really has (a bound wildcard resolved)."""
+        bind = bind or should_bind(endpoint)
+        try:
+            if bind:
+                sock.bind(endpoint)
+                return bytes(sock.getsockopt(zmq.LAST_ENDPOINT)).decode()
+            sock.connect(endpoint)
+            return endpoint
+        except zmq.ZMQError as exc:
+            verb = "bind" if bind else "connect"
+            raise ConfigError(f"cannot {verb} KVEventsConfig.{field} {endpoint!r}: {exc}") from exc
+
+    @property
+    def config(self) -> KVEventsConfig:
+        return self._config
+
+    @property
+    def endpoint(self) -> str:
+        """The PUB address: the bound one (wildcards resolved) or the one connected to."""
+        return self._endpoint
+
+    @property
+    def replay_endpoint(self) -> str | None:
+        """The bound ROUTER address, or None without replay."""
+        return self._replay_endpoint
+
+    @property
+    def state(self) -> PublisherState:
+        return self._state
+
+    def publish(self, batch: KVEventBatch) -> None:
+        """Queue ``batch`` for sending; when the queue is full, drop it and count its events."""
+        if self._state is not PublisherState.OPEN:
+            raise ResourceClosedError(f"cannot publish: the ZMQ publisher is {self._state.value}")
+        seq = self._next_seq
+        self._next_seq = seq + 1
+        if len(self._queue) >= self._max_queue:
+            self._dropped_full += len(batch.events)
+            return
+        self._queue.append((seq, batch))
+        if self._idle:
+            self._idle = False
+            self._wake()
+
+    def statistics(self) -> SinkStatistics:
+        """Events sent on the PUB socket, and events dropped before it."""
+        return SinkStatistics(
+            name="zmq",
+            published_total=self._published,
+            dropped_total=self._dropped_full + self._dropped_thread,
+        )
+
+    def close(self) -> None:
+        """Send what is queued (for ``close_timeout`` at most), join the thread. Idempotent."""
+        with self._lock:
+            if self._state is PublisherState.OPEN:
+                self._deadline = time.monotonic() + self._close_timeout
+                self._state = PublisherState.CLOSING
+        self._wake()
+        self._thread.join()
+        with self._lock:
+            if self._wake_tx is not None:
+                self._wake_tx.close(linger=0)
+                self._wake_tx = None
+            self._state = PublisherState.CLOSED
+
+    def _wake(self) -> None:
+        with self._lock:
+            if self._wake_tx is None:
+                return
+            # Again: wake-ups already pending, the thread will look at the queue anyway.
+            with contextlib.suppress(zmq.Again):
+                self._wake_tx.send(b"", zmq.NOBLOCK)
+
+    # --- the sender thread -------------------------------------------------
+
+    def _run(self) -> None:
+        queue = self._queue
+        poller = zmq.Poller()
+        poller.register(self._wake_rx, zmq.POLLIN)
+        if self._replay is not None:
+            poller.register(self._replay, zmq.POLLIN)
+        try:
+            while True:
+                for _ in range(min(len(queue), _REPLAY_CHECK_EVERY)):
+                    if self._state is not PublisherState.OPEN:
+                        break  # closing: `_flush` sends the rest against the deadline
+                    self._send(*queue.popleft())
+                if self._state is not PublisherState.OPEN:
+                    break
+                timeout: int | None = 0
+                if not queue:
+                    # Say we sleep, then look again: a batch queued before the flag
+                    # was set is seen here; one queued after it wakes us.
+                    self._idle = True
+                    if queue or self._state is not PublisherState.OPEN:
+                        self._idle = False
+                        continue
+                    timeout = None
+                ready = dict(poller.poll(timeout))
+                self._idle = False
+                if self._wake_rx in ready:
+                    self._drain_wakeups()
+                if self._replay is not None and self._replay in ready:
+                    self._serve_replays(self._replay)
+            self._flush()
+        finally:
+            self._pub.close(linger=max(0, int((self._deadline - time.monotonic()) * 1000)))
+            if self._replay is not None:
+                self._replay.close(linger=0)
+            self._wake_rx.close(linger=0)
+
+    def _send(self, seq: int, batch: KVEventBatch) -> None:
+        payload = self._encoder.encode(batch)
+        seq_bytes = seq.to_bytes(8, "big")
+        self._buffer.append((seq, seq_bytes, payload))
+        try:
+            self._send_live([self._topic, seq_bytes, payload])
+        except zmq.ZMQError:
+            self._dropped_thread += len(batch.events)  # still buffered: replay can recover it
+        else:
+            self._published += len(batch.events)
+
+    def _send_live(self, frames: list[bytes]) -> None:
+        """Put one message on the PUB socket (PUB never blocks: past its HWM ZeroMQ drops)."""
+        # Zero-copy pays for itself on large payloads only.
+        self._pub.send_multipart(frames, copy=len(frames[-1]) < _ZERO_COPY_BYTES)
+
+    def _drain_wakeups(self) -> None:
+        try:
+            while True:
+                self._wake_rx.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+
+    def _serve_replays(self, replay: zmq.Socket[bytes]) -> None:
+        """Answer every waiting replay request with the buffered batches it asks for."""
+        while True:
+            try:
+                frames = replay.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 3 or frames[1] or len(frames[2]) != 8:
+                continue  # not a replay request: ignore it
+            identity = frames[0]
+            start = int.from_bytes(frames[2], "big")
+            buffer = self._buffer
+            skip = max(0, start - buffer[0][0]) if buffer else 0
+            try:
+                for _, seq_bytes, payload in itertools.islice(buffer, skip, None):
+                    replay.send_multipart([identity, b"", self._topic, seq_bytes, payload])
+                replay.send_multipart([identity, b"", b"", END_SEQ, b""])
+            except zmq.ZMQError:
+                continue  # the client went away; others are unaffected
+            self._replays += 1
+
+    def _flush(self) -> None:
+        """Closing: send what is queued until the deadline, then drop and count the rest."""
+        queue = self._queue
+        while queue and time.monotonic() < self._deadline:
+            self._send(*queue.popleft())
+        while queue:
+            self._dropped_thread += len(queue.popleft()[1].events)
+
+    def __repr__(self) -> str:
+        dropped = self._dropped_full + self._dropped_thread
+        return (
+            f"<ZmqEventPublisher [{self._state.value}; {self._endpoint}, {len(self._queue)} "
+            f"batches queued, {len(self._buffer)} buffered for replay, {self._published} events "
+            f"published, {dropped} dropped, {self._replays} replays served]>"
+        )

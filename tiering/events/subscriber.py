@@ -1,0 +1,290 @@
+"""The ZMQ subscriber client: live batches in order, gaps filled from the replay socket.
+
+``async for item in ZmqSubscriber(endpoint, replay_endpoint):`` yields a
+`SequencedBatch` for every batch, in sequence order and without duplicates,
+and a `Gap` where batches were lost for good. It runs on asyncio and trio.
+
+Design note: the sockets are never touched from another thread. The client
+waits on each socket's ZeroMQ file descriptor with `anyio.wait_readable` and
+then reads without blocking. That descriptor is edge-triggered, so the client
+only waits after a read found nothing *and* the socket's ``EVENTS`` says
+nothing is pending; nothing spins and nothing polls on a timer.
+
+Gaps: when a live batch arrives with a sequence number past the next one
+expected, the client asks the replay socket for everything from the expected
+one, yields the replayed batches, and keeps the live one until the replay ends
+(``END_SEQ``); a replayed or live batch it already yielded is skipped. A range
+the replay no longer holds, no replay socket, or a replay that does not answer
+within ``replay_timeout`` seconds is reported as a `Gap`. A message that is not
+a batch raises `EventSchemaError` from that step; iteration can go on after it. With ``start_seq``
+the client first replays from that number, so a late joiner sees the history
+still buffered, then goes live. Batches lost at the end of a burst have no
+later batch to reveal them, so after ``idle_replay`` seconds without a live
+batch the client also asks the replay socket for anything newer (one small
+request per interval while the stream is quiet). Iteration survives cancellation: a replay in
+progress resumes on the next step. A publisher restart (the sequence starting
+again from 0) is not detected: its batches look like duplicates.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from types import TracebackType
+
+import anyio
+import msgspec
+import zmq
+
+from tiering.errors import ConfigError, ResourceClosedError
+from tiering.events.publisher import END_SEQ
+from tiering.events.schema import EventItem, EventSchemaError, Gap, SequencedBatch, decode_batch
+
+__all__ = ["SubscriberState", "SubscriberStatistics", "ZmqSubscriber"]
+
+
+class SubscriberStatistics(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """What a subscriber has received (batches, not events) since it was created."""
+
+    received_total: int  # live messages read from the SUB socket
+    replayed_total: int  # batches yielded from replay answers
+    duplicates_total: int  # live or replayed batches skipped: already yielded
+    gaps_total: int  # Gap items yielded
+    missing_total: int  # batches those gaps cover
+    replay_requests_total: int
+
+
+class SubscriberState(enum.Enum):
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+class ZmqSubscriber:
+    """A client of `ZmqEventPublisher`: connects a SUB socket and, optionally, a DEALER for replay.
+
+    ``start_seq=None`` starts with the first live batch; ``start_seq=n``
+    yields batch ``n`` onwards (from replay when it is already past).
+    ``replay_timeout`` bounds the wait for each replay answer, ``idle_replay``
+    the quiet time before asking for batches that may have been lost (None:
+    never); ``hwm`` bounds the messages ZeroMQ buffers for this client. Use it
+    as an async context manager, or call `aclose`.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        *,
+        start_seq: int | None = None,
+        replay_timeout: float = 5.0,
+        idle_replay: float | None = 1.0,
+        hwm: int = 100_000,
+    ) -> None:
+        if start_seq is not None and (isinstance(start_seq, bool) or start_seq < 0):
+            raise ConfigError(f"start_seq must be None or an integer >= 0, got {start_seq!r}")
+        if replay_timeout <= 0:
+            raise ConfigError(f"replay_timeout must be > 0 seconds, got {replay_timeout!r}")
+        if idle_replay is not None and idle_replay <= 0:
+            raise ConfigError(f"idle_replay must be None or > 0 seconds, got {idle_replay!r}")
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._endpoint = endpoint
+        self._replay_endpoint = replay_endpoint
+        self._replay_timeout = replay_timeout
+        self._idle_replay = idle_replay
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._dealer: zmq.Socket[bytes] | None = None
+        try:
+            self._sub.setsockopt(zmq.RCVHWM, hwm)
+            self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+            self._sub.connect(endpoint)
+        except zmq.ZMQError as exc:
+            self._sub.close(linger=0)
+            raise ConfigError(f"cannot subscribe to endpoint {endpoint!r}: {exc}") from exc
+        if replay_endpoint is not None:
+            try:
+                self._dealer = self._new_dealer(replay_endpoint)
+            except ConfigError:
+                self._sub.close(linger=0)
+                raise
+        self._state = SubscriberState.OPEN
+        self._expected: int | None = start_seq  # the next seq to yield
+        self._pending: deque[EventItem] = deque()
+        self._replaying = False
+        self._held: tuple[int, bytes] | None = None  # the live batch that revealed a gap
+        # The first replay to ask for: a late joiner's history.
+        self._replay_from = start_seq if replay_endpoint is not None else None
+        self._received = 0
+        self._replayed = 0
+        self._duplicates = 0
+        self._gaps = 0
+        self._missing = 0
+        self._requests = 0
+
+    def _new_dealer(self, endpoint: str) -> zmq.Socket[bytes]:
+        dealer = self._ctx.socket(zmq.DEALER)
+        try:
+            dealer.setsockopt(zmq.RCVHWM, 0)  # a replay answer is bounded by the publisher's buffer
+            dealer.connect(endpoint)
+        except zmq.ZMQError as exc:
+            dealer.close(linger=0)
+            raise ConfigError(f"cannot connect to replay endpoint {endpoint!r}: {exc}") from exc
+        return dealer
+
+    @property
+    def state(self) -> SubscriberState:
+        return self._state
+
+    def statistics(self) -> SubscriberStatistics:
+        return SubscriberStatistics(
+            received_total=self._received,
+            replayed_total=self._replayed,
+            duplicates_total=self._duplicates,
+            gaps_total=self._gaps,
+            missing_total=self._missing,
+            replay_requests_total=self._requests,
+        )
+
+    def __aiter__(self) -> ZmqSubscriber:
+        return self
+
+    async def __anext__(self) -> EventItem:
+        while not self._pending:
+            if self._state is SubscriberState.CLOSED:
+                raise StopAsyncIteration
+            try:
+                if self._replay_from is not None:
+                    start, self._replay_from = self._replay_from, None
+                    self._request_replay(start)
+                elif self._replaying:
+                    await self._step_replay()
+                else:
+                    frames = await self._recv_live()
+                    if frames is not None:
+                        self._on_live(frames)
+            except anyio.ClosedResourceError:
+                raise StopAsyncIteration from None  # closed by another task while waiting
+        return self._pending.popleft()
+
+    async def _recv(self, sock: zmq.Socket[bytes]) -> list[bytes]:
+        """The next message on ``sock``, waiting without a thread and without spinning."""
+        while True:
+            try:
+                return sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+            if sock.poll(0, zmq.POLLIN):  # reads ZMQ_EVENTS, which re-arms the descriptor
+                continue
+            await anyio.wait_readable(sock)
+
+    async def _recv_live(self) -> list[bytes] | None:
+        """The next live message; None after starting an idle replay instead."""
+        expected = self._expected
+        if self._dealer is None or self._idle_replay is None or expected is None:
+            return await self._recv(self._sub)
+        with anyio.move_on_after(self._idle_replay):
+            return await self._recv(self._sub)
+        self._request_replay(expected)
+        return None
+
+    def _on_live(self, frames: list[bytes]) -> None:
+        if len(frames) != 3 or len(frames[1]) != 8:
+            raise EventSchemaError(
+                f"expected [topic, seq (8 bytes), payload] from {self._endpoint!r}, "
+                f"got {len(frames)} frames"
+            )
+        self._received += 1
+        seq = int.from_bytes(frames[1], "big")
+        expected = self._expected
+        if expected is not None and seq > expected and self._dealer is not None:
+            self._held = (seq, frames[2])  # yielded once the replay has filled the gap
+            self._request_replay(expected)
+        else:
+            self._accept(seq, frames[2])
+
+    def _accept(self, seq: int, payload: bytes) -> bool:
+        """Queue batch ``seq`` unless yielded already; first a `Gap` for batches lost before it."""
+        expected = self._expected
+        if expected is not None and seq < expected:
+            self._duplicates += 1
+            return False
+        if expected is not None and seq > expected:
+            self._report_gap(expected, seq - 1)
+        self._deliver(seq, payload)
+        return True
+
+    def _deliver(self, seq: int, payload: bytes) -> None:
+        self._expected = seq + 1  # first: a payload that does not decode is skipped, not retried
+        self._pending.append(SequencedBatch(seq, decode_batch(payload)))
+
+    def _report_gap(self, first: int, last: int) -> None:
+        self._pending.append(Gap(first, last))
+        self._gaps += 1
+        self._missing += last - first + 1
+
+    def _request_replay(self, start: int) -> None:
+        assert self._dealer is not None
+        self._dealer.send_multipart([b"", start.to_bytes(8, "big")])
+        self._requests += 1
+        self._replaying = True
+
+    async def _step_replay(self) -> None:
+        """Read one replay answer; at its end (or timeout) release the held live batch."""
+        dealer = self._dealer
+        assert dealer is not None
+        assert self._replay_endpoint is not None
+        frames: list[bytes] | None = None
+        with anyio.move_on_after(self._replay_timeout):
+            frames = await self._recv(dealer)
+        if frames is None:
+            # No answer in time: forget this request (a late answer must not be
+            # mistaken for the next one's) and report what it should have brought.
+            dealer.close(linger=0)
+            self._dealer = self._new_dealer(self._replay_endpoint)
+            self._end_replay()
+            return
+        if len(frames) != 4 or frames[0]:
+            raise EventSchemaError(
+                f"expected [b'', topic, seq, payload] from replay endpoint "
+                f"{self._replay_endpoint!r}, got {len(frames)} frames"
+            )
+        if frames[2] == END_SEQ:
+            self._end_replay()
+        elif self._accept(int.from_bytes(frames[2], "big"), frames[3]):
+            self._replayed += 1
+
+    def _end_replay(self) -> None:
+        self._replaying = False
+        held, self._held = self._held, None
+        if held is not None:
+            self._accept(*held)
+
+    async def aclose(self) -> None:
+        """Close the sockets and end iteration. Idempotent."""
+        if self._state is SubscriberState.CLOSED:
+            return
+        self._state = SubscriberState.CLOSED
+        self._pending.clear()
+        for sock in (self._sub, self._dealer):
+            if sock is not None:
+                anyio.notify_closing(sock)
+                sock.close(linger=0)
+
+    async def __aenter__(self) -> ZmqSubscriber:
+        if self._state is SubscriberState.CLOSED:
+            raise ResourceClosedError("the ZMQ subscriber is closed")
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        return (
+            f"<ZmqSubscriber [{self._state.value}; {self._endpoint}, next seq {self._expected}, "
+            f"{self._received} received, {self._replayed} replayed, {self._gaps} gaps]>"
+        )
