@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import enum
 import itertools
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, Self
 
+import anyio.lowlevel
 import msgspec
 import numpy as np
 import torch
@@ -28,8 +30,16 @@ import torch
 from tiering._types import OffloadKey
 from tiering.config import OffloadingConfig
 from tiering.cpu.common import CPUOffloadingInfo
-from tiering.cpu.manager import CPUOffloadingManager, LookupResult, ManagerStatistics
-from tiering.errors import CapacityError, ConfigError, ResourceClosedError
+from tiering.cpu.manager import (
+    ChunkEvent,
+    ChunksStored,
+    CPUOffloadingManager,
+    LookupResult,
+    ManagerStatistics,
+)
+from tiering.errors import CapacityError, ChunkStateError, ConfigError, ResourceClosedError
+from tiering.events import ChunkBlocks, EventTranslator, KVEventsConfig
+from tiering.events.bus import EventBus, EventSink, EventStatistics, EventSubscription
 from tiering.policies import CachePolicy
 from tiering.scheduler import (
     JobHandle,
@@ -54,6 +64,8 @@ from tiering.transfer import (
 
 __all__ = ["EngineStatistics", "PrefixLookup", "TieringEngine", "kv_cache_tensors"]
 
+logger = logging.getLogger(__name__)
+
 #: Keys of ``OffloadingConfig.extra_config`` read as scheduler limits.
 _LIMIT_KEYS = frozenset(SchedulerLimits.__struct_fields__)
 
@@ -73,6 +85,7 @@ class EngineStatistics(msgspec.Struct, frozen=True, kw_only=True):
     scheduler: SchedulerStatistics
     backend: BackendStatistics | None
     pool: PoolStatistics | None
+    events: EventStatistics | None = None  # None unless enable_kv_cache_events
 
 
 class _State(enum.Enum):
@@ -128,6 +141,81 @@ def _limits(config: OffloadingConfig, limits: SchedulerLimits | None) -> Schedul
 _ENGINE_IDS = itertools.count()
 
 
+class _Events:
+    """The event side of an engine: translator, bus and sinks, and block descriptions.
+
+    ``blocks`` holds what callers said about chunks being stored, until their
+    `BlockStored` is built; descriptions of stores that failed or were skipped
+    are pruned once they outnumber the chunks being written.
+    """
+
+    def __init__(self, config: OffloadingConfig, settings: KVEventsConfig | None) -> None:
+        tokens_per_block = config.groups[0].tokens_per_block if config.groups else 1
+        self.settings = settings
+        self.translator = EventTranslator(
+            tokens_per_chunk=tokens_per_block * config.cache.blocks_per_chunk,
+            hash_format=settings.hash_format if settings is not None else "int",
+        )
+        self.rank = config.parallel.data_parallel_index
+        self.blocks: dict[OffloadKey, ChunkBlocks] = {}
+        self.scheduled = False
+        self.endpoints: tuple[str, str | None] | None = None  # the publisher's, once bound
+        self._bus: EventBus | None = None
+
+    @property
+    def bus(self) -> EventBus:
+        if self._bus is None:
+            raise ResourceClosedError("the event bus is not open")
+        return self._bus
+
+    def open(self) -> None:
+        sinks: list[EventSink] = []
+        if self.settings is not None:
+            from tiering.events.publisher import ZmqEventPublisher  # pyzmq only when used
+
+            publisher = ZmqEventPublisher(self.settings)
+            self.endpoints = (publisher.endpoint, publisher.replay_endpoint)
+            sinks.append(publisher)
+        self._bus = EventBus(sinks)
+
+    async def aclose(self) -> None:
+        if self._bus is not None:
+            await self._bus.aclose()
+
+    def describe(
+        self,
+        keys: Sequence[OffloadKey],
+        blocks: Sequence[ChunkBlocks | None],
+        manager: CPUOffloadingManager,
+    ) -> None:
+        if len(blocks) != len(keys):
+            raise ConfigError(
+                f"blocks describes {len(blocks)} chunks but the store has {len(keys)} keys; "
+                "give one ChunkBlocks (or None) per key"
+            )
+        writing = manager.is_writing
+        for key, info in zip(keys, blocks, strict=True):
+            if info is not None and writing(key):
+                self.blocks[key] = info
+        if len(self.blocks) > 2 * manager.statistics().writing + 64:
+            self.blocks = {k: v for k, v in self.blocks.items() if writing(k)}
+
+    def publish(self, events: list[ChunkEvent]) -> None:
+        if not events:
+            return
+        batch = self.translator.batch(events, self.blocks, data_parallel_rank=self.rank)
+        if self.blocks:
+            for event in events:
+                if isinstance(event, ChunksStored):
+                    for key in event.keys:
+                        self.blocks.pop(key, None)
+        if batch is not None and self._bus is not None:
+            self._bus.publish(batch)
+
+    def statistics(self) -> EventStatistics | None:
+        return self._bus.statistics() if self._bus is not None else None
+
+
 class TieringEngine:
     """The CPU tier of one engine rank: manager, host memory, backend and scheduler.
 
@@ -140,6 +228,11 @@ class TieringEngine:
     ``max_load_slices``). ``engine_id`` names the engine in metrics.
     ``prefault`` maps the whole CPU tier at open (the memory is committed
     then, and no store pays a page fault later); ``False`` maps it lazily.
+
+    With ``config.enable_kv_cache_events``, what the tier holds is published
+    as KV cache events (vLLM's wire format): one batch per turn of the event
+    loop that changed the tier, to `subscribe`rs and, when ``events`` is
+    given, on its ZMQ endpoint. Without it, no event is built.
     """
 
     def __init__(
@@ -154,6 +247,7 @@ class TieringEngine:
         limits: SchedulerLimits | None = None,
         engine_id: str | None = None,
         prefault: bool = True,
+        events: KVEventsConfig | None = None,
     ) -> None:
         if isinstance(cpu_bytes, bool) or not isinstance(cpu_bytes, int) or cpu_bytes < 1:
             raise ConfigError(f"cpu_bytes must be a positive integer, got {cpu_bytes!r}")
@@ -184,8 +278,12 @@ class TieringEngine:
             )
         self.backend_name = backend
         self._backend_options = dict(backend_options or {})
+        self._events = _Events(config, events) if config.enable_kv_cache_events else None
         self.manager = CPUOffloadingManager(
-            num_chunks, policy, enable_events=config.enable_kv_cache_events
+            num_chunks,
+            policy,
+            enable_events=self._events is not None,
+            on_events=self._events_pending if self._events is not None else None,
         )
         self.scheduler = Scheduler(
             self.manager,
@@ -196,6 +294,7 @@ class TieringEngine:
             limits=_limits(config, limits),
         )
         self._prefault = prefault
+        self._token: anyio.lowlevel.EventLoopToken | None = None
         self._pool: HostMemoryPool | None = None
         self._backend: TransferBackend | None = None
         self._state = _State.NEW
@@ -221,9 +320,14 @@ class TieringEngine:
             self.layout.pool_bytes(self.manager.capacity), populate=self._prefault
         )
         try:
+            if self._events is not None:
+                self._events.open()
+            self._token = anyio.lowlevel.current_token()
             self.scheduler.open()
         except BaseException:
             self._pool.close()
+            if self._events is not None:
+                await self._events.aclose()
             raise
         self._state = _State.OPEN
         return self
@@ -245,6 +349,9 @@ class TieringEngine:
         finally:
             if self._pool is not None:
                 self._pool.close()
+            if self._events is not None:
+                self._publish_events()  # what the last completions changed
+                await self._events.aclose()
             self._state = _State.CLOSED
 
     @property
@@ -280,20 +387,43 @@ class TieringEngine:
         if self._state is not _State.OPEN:
             raise ResourceClosedError(f"the engine is {self._state.value}; open it with async with")
 
-    def submit_store_nowait(self, keys: Sequence[OffloadKey], gpu: GPULoadStoreSpec) -> JobHandle:
-        """Queue a store of ``keys`` (one per chunk of ``gpu``); `anyio.WouldBlock` if full."""
+    def submit_store_nowait(
+        self,
+        keys: Sequence[OffloadKey],
+        gpu: GPULoadStoreSpec,
+        *,
+        blocks: Sequence[ChunkBlocks | None] | None = None,
+    ) -> JobHandle:
+        """Queue a store of ``keys`` (one per chunk of ``gpu``); `anyio.WouldBlock` if full.
+
+        ``blocks`` (one per key, or None) describes each chunk's blocks for its
+        `BlockStored` event: their hashes, and optionally their token ids and
+        the parent hash ("self-describing" events). Ignored without events.
+        """
         self._check_open()
-        return self.scheduler.submit_nowait(JobKind.STORE, keys, gpu)
+        handle = self.scheduler.submit_nowait(JobKind.STORE, keys, gpu)
+        if blocks is not None and self._events is not None:
+            self._events.describe(keys, blocks, self.manager)
+        return handle
 
     def submit_load_nowait(self, keys: Sequence[OffloadKey], gpu: GPULoadStoreSpec) -> JobHandle:
         """Queue a load of ready ``keys`` into ``gpu``; `anyio.WouldBlock` if full."""
         self._check_open()
         return self.scheduler.submit_nowait(JobKind.LOAD, keys, gpu)
 
-    async def submit_store(self, keys: Sequence[OffloadKey], gpu: GPULoadStoreSpec) -> JobHandle:
+    async def submit_store(
+        self,
+        keys: Sequence[OffloadKey],
+        gpu: GPULoadStoreSpec,
+        *,
+        blocks: Sequence[ChunkBlocks | None] | None = None,
+    ) -> JobHandle:
         """Queue a store, waiting for room in the queue; returns its handle at once after."""
         self._check_open()
-        return await self.scheduler.submit(JobKind.STORE, keys, gpu)
+        handle = await self.scheduler.submit(JobKind.STORE, keys, gpu)
+        if blocks is not None and self._events is not None:
+            self._events.describe(keys, blocks, self.manager)
+        return handle
 
     async def submit_load(self, keys: Sequence[OffloadKey], gpu: GPULoadStoreSpec) -> JobHandle:
         """Queue a load, waiting for room in the queue; returns its handle at once after."""
@@ -304,6 +434,56 @@ class TieringEngine:
         """Return once no store submitted before still reads ``gpu_block_ids``."""
         await self.scheduler.flush(np.asarray(gpu_block_ids, dtype=np.int64))
 
+    # -- events ---------------------------------------------------------------
+
+    def subscribe(self, max_batches: int = 1024) -> EventSubscription:
+        """An async iterator of the event batches published from now on.
+
+        It yields `SequencedBatch` items, and a `Gap` where it lost its oldest
+        batches for being slow (at most ``max_batches`` wait); a slow
+        subscriber never slows the engine. It ends when the engine closes.
+        """
+        self._check_open()
+        if self._events is None:
+            raise ConfigError(
+                "KV cache events are off; set enable_kv_cache_events in the config to subscribe"
+            )
+        return self._events.bus.subscribe(max_batches)
+
+    @property
+    def event_endpoints(self) -> tuple[str, str | None] | None:
+        """The ZMQ publisher's bound ``(endpoint, replay_endpoint)``, once open; else None."""
+        return self._events.endpoints if self._events is not None else None
+
+    def reset(self, *, force: bool = False) -> None:
+        """Drop every chunk of the tier (publishing `AllBlocksCleared` with events).
+
+        Refuses (`ChunkStateError`) while transfers use chunks, unless ``force``.
+        """
+        self._check_open()
+        if not force and self.scheduler.busy:
+            raise ChunkStateError("cannot reset the tier while jobs are queued or running")
+        self.manager.reset(force=force)
+
+    def _events_pending(self) -> None:
+        """The manager queued a first event: publish them all at the end of this turn."""
+        token = self._token
+        if token is None or self._events is None or self._events.scheduled:
+            return
+        self._events.scheduled = True
+        token.backend_class.run_sync_soon(self._publish_events, (), token.native_token)
+
+    def _publish_events(self) -> None:
+        """Publish the manager's queued events as one batch (a loop callback: never raises)."""
+        events = self._events
+        if events is None:
+            return
+        events.scheduled = False
+        try:
+            events.publish(self.manager.take_events())
+        except Exception:
+            logger.exception("engine %s: publishing KV cache events failed", self.engine_id)
+
     # -- seeing state ---------------------------------------------------------
 
     def statistics(self) -> EngineStatistics:
@@ -313,6 +493,7 @@ class TieringEngine:
             scheduler=self.scheduler.statistics(),
             backend=self._backend.statistics() if self._backend is not None else None,
             pool=self._pool.statistics() if self._pool is not None else None,
+            events=self._events.statistics() if self._events is not None else None,
         )
 
     def __repr__(self) -> str:

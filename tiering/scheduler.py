@@ -391,6 +391,11 @@ class Scheduler:
         self._wakeup_pending = False
 
     @property
+    def busy(self) -> bool:
+        """Whether any job is queued or running."""
+        return bool(self._running) or any(d.queue for d in self._dirs.values())
+
+    @property
     def backend(self) -> TransferBackend:
         if self._backend is None:
             raise ResourceClosedError("the scheduler is not open")

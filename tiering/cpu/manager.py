@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 
 import msgspec
 
@@ -131,7 +131,9 @@ class CPUOffloadingManager:
     records for `take_events`, at most ``max_pending_events`` of them: past
     that the oldest are dropped and counted (a consumer that lost events may
     then see a removal whose store it missed; ``events_dropped_total`` tells
-    it to resynchronise). Without it no event is built.
+    it to resynchronise). Without it no event is built. ``on_events`` (if
+    given) is called whenever an event is queued while none was pending, so
+    an owner can gather what one turn of its loop produced into one batch.
 
     Slots are allocated deterministically: never-used slots in increasing
     order first, then freed slots, most recently freed first.
@@ -144,6 +146,7 @@ class CPUOffloadingManager:
         *,
         enable_events: bool = False,
         max_pending_events: int = 65536,
+        on_events: Callable[[], object] | None = None,
     ) -> None:
         if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
             raise ConfigError(f"num_chunks must be a positive integer, got {num_chunks!r}")
@@ -179,6 +182,7 @@ class CPUOffloadingManager:
         self._events: deque[ChunkEvent] = deque()
         self._max_events = max_pending_events
         self._events_dropped = 0
+        self._on_events = on_events
         self._lookups = dict.fromkeys(LookupResult, 0)
         self._stored = 0
         self._store_failed = 0
@@ -207,6 +211,11 @@ class CPUOffloadingManager:
             result = LookupResult.HIT
         self._lookups[result] += 1
         return result
+
+    def is_writing(self, key: OffloadKey) -> bool:
+        """Whether ``key`` is being stored (not counted as a lookup)."""
+        chunk = self._chunks.get(key)
+        return chunk is not None and chunk.pins == _WRITING
 
     def lookup_prefix(self, keys: Iterable[OffloadKey]) -> int:
         """How many of ``keys``, from the first, are ready to load."""
@@ -428,10 +437,13 @@ class CPUOffloadingManager:
     # -- events, reset, statistics ---------------------------------------------
 
     def _push_event(self, event: ChunkEvent) -> None:
-        if len(self._events) >= self._max_events:
-            self._events.popleft()
+        events = self._events
+        if len(events) >= self._max_events:
+            events.popleft()
             self._events_dropped += 1
-        self._events.append(event)
+        elif not events and self._on_events is not None:
+            self._on_events()
+        events.append(event)
 
     def take_events(self) -> list[ChunkEvent]:
         """The events queued since the last call, oldest first (empty without events)."""
