@@ -8,9 +8,10 @@ traceback; every subcommand reports through `_fail`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, NoReturn
 
 import msgspec
@@ -198,8 +199,32 @@ def build_parser() -> argparse.ArgumentParser:
         "--hold", type=_seconds, default=0.0, metavar="S",
         help="stay up S seconds after the replay, the engine still open (for a last scrape)",
     )  # fmt: skip
+    rep.add_argument(
+        "--events-endpoint", metavar="E",
+        help="publish KV cache events on this ZMQ endpoint (tcp://*:5557 binds; "
+        "tcp://127.0.0.1:* binds a free port)",
+    )  # fmt: skip
+    rep.add_argument(
+        "--replay-endpoint", metavar="E",
+        help="serve replays of past event batches on this ZMQ endpoint (ROUTER)",
+    )  # fmt: skip
     rep.add_argument("--json", action="store_true", help="print one JSON object")
     rep.set_defaults(run=_run_replay)
+
+    ev = sub.add_parser(
+        "events",
+        help="print the KV cache events an engine publishes",
+        description="Subscribe to an engine's KV cache events and print them, one line "
+        "each (a gap in the sequence is filled from the replay endpoint, or reported).",
+    )
+    ev.add_argument("endpoint", help="the publisher's ZMQ endpoint, e.g. tcp://127.0.0.1:5557")
+    ev.add_argument(
+        "--replay-endpoint", metavar="E",
+        help="its replay endpoint: fills gaps, and first prints the history it still holds",
+    )  # fmt: skip
+    ev.add_argument("--limit", type=_positive_int, metavar="N", help="stop after N events")
+    ev.add_argument("--json", action="store_true", help="JSON lines (hashes as hex)")
+    ev.set_defaults(run=_run_events)
     return parser
 
 
@@ -244,15 +269,14 @@ def _run_replay(args: argparse.Namespace) -> None:
         verify=args.verify,
         backend=args.backend,
         hold=args.hold,
+        events_endpoint=args.events_endpoint,
+        replay_endpoint=args.replay_endpoint,
     )
-    on_open = None
-    if args.metrics_port is not None:
-        on_open = _metrics_server(args.metrics_host, args.metrics_port)
     result = run_replay(
         requests,
         options,
         show_progress=not args.json and sys.stderr.isatty(),
-        on_open=on_open,
+        on_open=_services(args),
     )
     if args.json:
         sys.stdout.buffer.write(msgspec.json.encode(result) + b"\n")
@@ -270,21 +294,49 @@ def _run_replay(args: argparse.Namespace) -> None:
         ("job latency", f"p50 {r.job_latency_p50_ms:.2f} ms, p99 {r.job_latency_p99_ms:.2f} ms"),
         ("failed jobs", f"{r.failed_jobs:,} (and {r.no_room_stores:,} stores found no room)"),
         ("corrupt chunks", f"{r.corrupt_chunks:,}" if args.verify else "not checked (--verify)"),
+        ("events", f"{r.events_published:,} published, {r.events_dropped:,} dropped"
+                   if args.events_endpoint else "off (--events-endpoint)"),
         ("seconds", f"{r.seconds:.2f}"),
     ]  # fmt: skip
     width = max(len(name) for name, _ in rows)
     print("\n".join(f"{name:<{width}}  {value}" for name, value in rows))
 
 
-def _metrics_server(host: str, port: int) -> Callable[[TieringEngine], MetricsServer]:
-    from tiering.metrics import serve_metrics  # prometheus-client: only when asked for
+def _services(
+    args: argparse.Namespace,
+) -> Callable[[TieringEngine], contextlib.AbstractAsyncContextManager[object]]:
+    """What runs beside the replay once its engine is open: metrics, and where events go."""
+    serve: Callable[..., MetricsServer] | None = None
+    if args.metrics_port is not None:
+        from tiering.metrics import serve_metrics  # prometheus-client: only when asked for
 
-    def start(engine: TieringEngine) -> MetricsServer:
-        server = serve_metrics(engine, host, port=port)
-        print(f"tiering: serving metrics at {server.url}", file=sys.stderr, flush=True)
-        return server
+        serve = serve_metrics
 
-    return start
+    @contextlib.asynccontextmanager
+    async def services(engine: TieringEngine) -> AsyncIterator[None]:
+        async with contextlib.AsyncExitStack() as stack:
+            if serve is not None:
+                server = await stack.enter_async_context(
+                    serve(engine, args.metrics_host, port=args.metrics_port)
+                )
+                print(f"tiering: serving metrics at {server.url}", file=sys.stderr, flush=True)
+            if engine.event_endpoints is not None:
+                endpoint, replay = engine.event_endpoints
+                where = endpoint + (f", replay at {replay}" if replay else "")
+                print(
+                    f"tiering: publishing KV cache events at {where}", file=sys.stderr, flush=True
+                )
+            yield
+
+    return services
+
+
+def _run_events(args: argparse.Namespace) -> None:
+    import anyio
+
+    from tiering.events.tool import print_events  # pyzmq: only when used
+
+    anyio.run(print_events, args.endpoint, args.replay_endpoint, args.json, sys.stdout, args.limit)
 
 
 def _simulation_table(results: Sequence[SimulationResult]) -> str:

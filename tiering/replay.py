@@ -40,6 +40,7 @@ from tiering.config import (
 )
 from tiering.engine import TieringEngine
 from tiering.errors import ChunkStateError, ConfigError
+from tiering.events import KVEventsConfig
 from tiering.scheduler import JobHandle, JobOutcome, JobResult
 from tiering.simulate import requests_to_keys
 from tiering.specs import GPULoadStoreSpec
@@ -62,6 +63,8 @@ class ReplayOptions(msgspec.Struct, frozen=True, kw_only=True):
     verify: bool = False
     backend: str = "auto"
     hold: float = 0.0  # seconds to stay up after the requests, the engine still open
+    events_endpoint: str | None = None  # publish KV cache events there (ZMQ PUB)
+    replay_endpoint: str | None = None  # and serve their replay there (ZMQ ROUTER)
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.hold) and self.hold >= 0):
@@ -81,6 +84,15 @@ class ReplayOptions(msgspec.Struct, frozen=True, kw_only=True):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name.replace('_', '-')} must be positive, got {value}")
+        if self.replay_endpoint is not None and self.events_endpoint is None:
+            raise ConfigError("a replay endpoint needs an events endpoint to replay")
+
+    @property
+    def events(self) -> KVEventsConfig | None:
+        """The ZMQ settings of the events, or None when they are off."""
+        if self.events_endpoint is None:
+            return None
+        return KVEventsConfig(endpoint=self.events_endpoint, replay_endpoint=self.replay_endpoint)
 
 
 class ReplayResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -101,6 +113,8 @@ class ReplayResult(msgspec.Struct, frozen=True, kw_only=True):
     job_latency_p50_ms: float
     job_latency_p99_ms: float
     seconds: float
+    events_published: int  # KV cache events built (0 with events off)
+    events_dropped: int  # events some sink or the manager's queue lost
     capacity_chunks: int
     cpu_bytes: int
     policy: str
@@ -114,6 +128,7 @@ def replay_config(options: ReplayOptions) -> OffloadingConfig:
         groups=(OffloadingGroupConfig(tokens_per_block=options.block_tokens, layer_names=("kv",)),),
         worker_kv_bytes_per_block=options.bytes_per_token * options.block_tokens,
         engine_id="replay",
+        enable_kv_cache_events=options.events_endpoint is not None,
         model=OffloadingModelConfig(name="emulated", dtype="int64"),
         cache=OffloadingCacheConfig(tokens_per_hash=options.block_tokens, blocks_per_chunk=1),
     )
@@ -218,6 +233,7 @@ async def replay(
         policy=options.policy,
         backend=options.backend,
         backend_options=backend_options,
+        events=options.events,
     )
     pages = _Pages(kv)
     tally = _Tally()
@@ -270,6 +286,10 @@ async def replay(
         stats = engine.manager.statistics()
         if options.hold:
             await anyio.sleep(options.hold)
+    events = engine.statistics().events  # after close: the last batch is counted
+    events_dropped = stats.events_dropped_total
+    if events is not None:
+        events_dropped += sum(sink.dropped_total for sink in events.sinks)
     return ReplayResult(
         requests=len(request_keys),
         blocks=tally.blocks,
@@ -288,6 +308,8 @@ async def replay(
         job_latency_p50_ms=_percentile_ms(tally.latencies, 50),
         job_latency_p99_ms=_percentile_ms(tally.latencies, 99),
         seconds=seconds,
+        events_published=events.events_total if events is not None else 0,
+        events_dropped=events_dropped,
         capacity_chunks=engine.manager.capacity,
         cpu_bytes=engine.manager.capacity * engine.layout.row_bytes,
         policy=options.policy,
