@@ -9,7 +9,14 @@ events delivered per second, first publish to last delivery. An ``encode`` row
 gives the encoder alone. Target: at least 200,000 events/s delivered in
 batches of 256. Best of ``--repeat`` runs (these machines are noisy).
 
-    python bench/events.py [--events N] [--repeat R] [--json]
+A ``replay`` row runs `tiering replay` (the conversation trace, or the chat
+workload) with events off and on (published over ipc with a replay socket),
+alternately, and compares the best times: the engine's whole cost of events
+(translation, batching, encoding and sending in the publisher thread). No
+subscriber runs, so its work does not count against the engine on this
+small machine. Target: under 5 % slower with events on.
+
+    python bench/events.py [--events N] [--repeat R] [--requests N] [--json]
 """
 
 from __future__ import annotations
@@ -113,10 +120,40 @@ async def deliver(endpoint: str, replay: str, batch_size: int, events: int) -> d
     }
 
 
+def replay_slowdown(requests: int, repeat: int, tmp: str) -> dict[str, object]:
+    from tiering.replay import ReplayOptions, replay
+    from tiering.workload import chat_workload, read_trace
+
+    trace = Path(__file__).resolve().parents[1].parent / "shared/traces/conversation_trace.jsonl"
+    workload = read_trace(trace, limit=requests) if trace.exists() else chat_workload(requests)
+    off = ReplayOptions(capacity_tokens=3_000_000)
+    on = ReplayOptions(
+        capacity_tokens=3_000_000,
+        events_endpoint=f"ipc://{Path(tmp) / 'replay-events'}",
+        replay_endpoint=f"ipc://{Path(tmp) / 'replay-replay'}",
+    )
+    best = {"off": float("inf"), "on": float("inf")}
+    published = 0
+    for _ in range(repeat):
+        for name, options in (("off", off), ("on", on)):
+            result = anyio.run(lambda options=options: replay(workload, options))
+            best[name] = min(best[name], result.seconds)
+            published = max(published, result.events_published)
+    return {
+        "transport": "replay",
+        "requests": len(workload),
+        "seconds_off": round(best["off"], 3),
+        "seconds_on": round(best["on"], 3),
+        "slowdown": round(best["on"] / best["off"] - 1, 4),
+        "events": published,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--events", type=int, default=400_000, help="events per row")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=2000, help="requests of the replay row")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -139,8 +176,9 @@ def main() -> None:
                 ]
                 best_run = max(runs, key=lambda r: r["events_per_s"])
                 rows.append({"transport": name, "batch": batch_size, **best_run})
+        slowdown = replay_slowdown(args.requests, args.repeat, tmp)
     if args.json:
-        for row in rows:
+        for row in [*rows, slowdown]:
             print(json.dumps(row))
         return
     print(
@@ -153,6 +191,11 @@ def main() -> None:
                      f"dropped {row['dropped']}, lost batches {row['lost_batches']}")  # fmt: skip
         print(f"  {row['transport']:<7} batch {row['batch']:>4}  "
               f"{row['events_per_s']:>12,} events/s{extra}")  # fmt: skip
+    print(
+        f"replay of {slowdown['requests']:,} requests, best of {args.repeat}: "
+        f"{slowdown['seconds_off']:.2f} s with events off, {slowdown['seconds_on']:.2f} s on "
+        f"({slowdown['events']:,} events): {float(str(slowdown['slowdown'])):+.1%}"
+    )
 
 
 if __name__ == "__main__":
