@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Collection
 
 import msgspec
@@ -33,7 +34,10 @@ from tiering.transfer.layout import KVLayout, TransferDirection, job_direction
 from tiering.transfer.memory import HostMemoryPool
 from tiering.transfer.worker import ThreadedBackend, ThreadedJob
 
-__all__ = ["MockBackend", "MockJob"]
+__all__ = ["SUBMITTED_KEPT", "MockBackend", "MockJob"]
+
+#: How many of the latest accepted jobs `MockBackend.submitted` remembers.
+SUBMITTED_KEPT = 1 << 16
 
 
 class MockJob(msgspec.Struct, frozen=True, gc=False):
@@ -80,14 +84,15 @@ class MockBackend(ThreadedBackend):
         self._gate_open = not gated
         self._released: set[int] = set()
         self._held: dict[int, None] = {}
-        self._submitted: list[MockJob] = []
+        # The last jobs accepted (bounded: a long benchmark must not grow it forever).
+        self._submitted: deque[MockJob] = deque(maxlen=SUBMITTED_KEPT)
         super().__init__(on_complete=on_complete, max_in_flight=max_in_flight)
 
     # -- scripting ------------------------------------------------------------
 
     @property
     def submitted(self) -> list[MockJob]:
-        """Every job accepted so far, in submission order (a copy)."""
+        """The jobs accepted so far (the last `SUBMITTED_KEPT`), in submission order (a copy)."""
         return list(self._submitted)  # appended to without a lock; copying is atomic
 
     @property
