@@ -11,6 +11,7 @@ wants to catch "anything tiering refused" catches that one class::
     ├── CapacityError          a tier or buffer cannot be sized as asked
     ├── TransferError          a copy failed inside a backend (wrapped `from` the cause)
     ├── ResourceClosedError    the object was closed and cannot be used any more
+    ├── EventSchemaError       a KV event payload or block description does not fit the schema
     └── WorkloadError          a trace or workload description is malformed
 
 Expected outcomes are not errors: a lookup miss, a full tier (``prepare_store``
@@ -23,6 +24,7 @@ __all__ = [
     "CapacityError",
     "ChunkStateError",
     "ConfigError",
+    "EventSchemaError",
     "ResourceClosedError",
     "SpecError",
     "TieringError",
@@ -69,3 +71,7 @@ class ResourceClosedError(TieringError):
 
 class WorkloadError(TieringError, ValueError):
     """A request trace or workload description is malformed."""
+
+
+class EventSchemaError(TieringError, ValueError):
+    """A payload, event or block description does not fit the KV event schema."""

@@ -33,7 +33,7 @@ import msgspec
 
 from tiering._types import OffloadKey, get_offload_block_hash, get_offload_group_idx
 from tiering.cpu.manager import ChunkEvent, ChunksRemoved, ChunksStored
-from tiering.errors import ConfigError, TieringError
+from tiering.errors import ConfigError, EventSchemaError
 from tiering.events.config import HashFormat
 
 __all__ = [
@@ -58,10 +58,6 @@ __all__ = [
 
 #: A block hash on the wire: the low 64 bits as an int, or the raw bytes.
 BlockHash = int | bytes
-
-
-class EventSchemaError(TieringError, ValueError):
-    """A payload, event or block description does not fit the KV event schema."""
 
 
 class KVCacheEvent(
