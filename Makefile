@@ -23,7 +23,7 @@ run: install
 	@if [ -f "$(TRACE)" ]; then src="--trace $(TRACE)"; else \
 		echo "no trace at $(TRACE); using the built-in chat workload"; src="--workload chat"; fi; \
 	echo "== tiering simulate: hit rate per policy and CPU tier size (no bytes moved)"; \
-	$(BIN)/tiering simulate $$src --capacity-tokens 1000000,3000000,10000000 --policy lru,arc && \
+	$(BIN)/tiering simulate $$src --capacity-tokens 1000000,3000000,10000000 --policy all && \
 	echo && echo "== tiering replay: the engine moving real bytes, 2000 requests, verified" && \
 	$(BIN)/tiering replay $$src --requests 2000 --capacity-tokens 3000000 --verify
 
@@ -38,6 +38,7 @@ lint: install
 
 bench: install
 	$(BIN)/python bench/manager.py
+	$(BIN)/python bench/policy.py
 	$(BIN)/python bench/transfer.py
 	$(BIN)/python bench/engine.py
 	$(BIN)/python bench/events.py

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tiering._types import OffloadKey
+from tiering.policies import POLICY_NAMES
 from tiering.simulate import requests_to_keys, simulate_keys
 from tiering.workload import Request, chat_workload, read_trace
 
@@ -72,7 +73,7 @@ def main() -> None:
     capacity = args.capacity_tokens // 512
 
     bare_best = 0.0
-    best: dict[str, float] = {"lru": 0.0, "arc": 0.0}
+    best: dict[str, float] = dict.fromkeys(POLICY_NAMES, 0.0)
     hit_rates: dict[str, float] = {}
     for _ in range(args.repeat):
         _, seconds = bare_lru(request_keys, capacity)

@@ -31,6 +31,7 @@ from tiering import (
     make_offload_key,
 )
 from tiering.cli import main
+from tiering.config import DEFAULT_POLICY
 from tiering.cpu.common import CPUOffloadingInfo
 from tiering.cpu.manager import ManagerStatistics
 from tiering.engine import TieringEngine
@@ -232,7 +233,7 @@ async def test_exposition_after_jobs_has_every_family_label_and_value(
         "cpu_blocks_per_chunk": "1",
         "cpu_kv_cache_size_bytes": str(4 * CHUNK_BYTES),
         "cpu_kv_cache_size_tokens": "",  # the model's length is not known
-        "policy": "lru",
+        "policy": DEFAULT_POLICY,
         "backend": "mock",
         "version": info["version"],
     }

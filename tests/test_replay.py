@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tiering.cli import main
+from tiering.policies import POLICY_NAMES
 from tiering.replay import ReplayOptions, replay
 from tiering.simulate import simulate
 from tiering.transfer.mock import MockJob
@@ -21,7 +22,7 @@ TRACE = (
 SMALL = {"bytes_per_token": 16, "block_tokens": 512}  # 8 KiB pages
 
 
-@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("policy", POLICY_NAMES)
 async def test_one_at_a_time_it_hits_like_simulate(anyio_backend: str, policy: str) -> None:
     requests = chat_workload(400, seed=11)
     capacity = 80 * 512

@@ -6,14 +6,16 @@ import json
 import subprocess
 import sys
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
 
+from tiering._types import OffloadKey, make_offload_key
 from tiering.cli import main
-from tiering.simulate import simulate
-from tiering.workload import Request, chat_workload, read_trace, write_trace
+from tiering.policies import POLICY_NAMES
+from tiering.simulate import OPTIMAL, expand_policies, simulate, simulate_keys, simulate_optimal
+from tiering.workload import Request, chat_workload, documents_workload, read_trace, write_trace
 
 TRACE = (
     Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "conversation_trace.jsonl"
@@ -128,6 +130,23 @@ def _bad_trace(tmp_path: Path) -> Path:
         (["simulate", "--workload", "chat", "--capacity-tokens", "100"], "100 tokens"),
         (["simulate", "--workload", "chat", "--capacity-tokens", "1,x"], "'x'"),
         (["simulate", "--workload", "chat", "--policy", "mru"], "'mru'"),
+        (["simulate", "--workload", "chat", "--policy", "all,fifo"], "'fifo'"),
+        (
+            [
+                "simulate",
+                "--workload",
+                "chat",
+                "--plot",
+                "/nonexistent/dir/p.png",
+                "--requests",
+                "20",
+                "--capacity-tokens",
+                "5120",
+                "--policy",
+                "lru",
+            ],
+            "cannot write plot",
+        ),
         (["simulate", "--workload", "nope"], "nope"),
         (["simulate", "--workload", "chat", "--requests", "0"], "0"),
         (["simulate"], "--trace"),
@@ -165,3 +184,88 @@ def test_python_dash_m_runs_and_bad_input_has_no_traceback(tmp_path: Path) -> No
     assert bad.returncode == 2
     assert bad.stderr.count("\n") == 1
     assert "Traceback" not in bad.stderr
+
+
+def ids_to_keys(*requests: list[int]) -> list[list[OffloadKey]]:
+    return [[make_offload_key(i.to_bytes(8, "big")) for i in ids] for ids in requests]
+
+
+def test_optimal_keeps_what_is_used_soonest() -> None:
+    # A loop of three chunks through a tier of two: LRU always misses; the
+    # optimum keeps the chunk used soonest.
+    loop = ids_to_keys([1], [2], [3], [1], [2], [3], [1])
+    lru = simulate_keys(loop, capacity_tokens=2 * 512, policy="lru")
+    best = simulate_optimal(loop, capacity_tokens=2 * 512)
+    assert (lru.hit_blocks, best.hit_blocks) == (0, 2)
+    assert (lru.evictions, best.evictions) == (5, 3)
+    assert best.policy == OPTIMAL
+    assert simulate_keys(loop, capacity_tokens=1024, policy=OPTIMAL).hit_blocks == 2
+
+
+def test_optimal_respects_pins_and_the_keys_of_the_store() -> None:
+    # Tier of 2: request 3 hits 1 (pinned) and must store 4: the only other
+    # chunk, 2, is evicted though it is used next; a request of 3 new chunks
+    # finds no room at all and stores nothing.
+    requests = ids_to_keys([1, 2], [1, 4], [2], [7, 8, 9], [1])
+    best = simulate_optimal(requests, capacity_tokens=2 * 512)
+    assert best.hit_blocks == 1 + 0 + 0 + 1  # 1; then 2 was evicted; then 1 again
+    assert best.store_failures == 1
+    lru = simulate_keys(requests, capacity_tokens=2 * 512, policy="lru")
+    assert lru.store_failures == 1
+
+
+@pytest.mark.parametrize("workload", [chat_workload, documents_workload], ids=["chat", "docs"])
+def test_no_policy_beats_the_optimum(workload: Callable[..., list[Request]]) -> None:
+    requests = workload(400, seed=2)
+    for capacity in (20, 80):
+        best = simulate(requests, capacity_tokens=capacity * 512, policy=OPTIMAL)
+        for policy in POLICY_NAMES:
+            result = simulate(requests, capacity_tokens=capacity * 512, policy=policy)
+            assert result.hit_blocks <= best.hit_blocks, (policy, capacity)
+            assert result.blocks == best.blocks
+
+
+def test_expand_policies() -> None:
+    assert expand_policies(["all"]) == [*POLICY_NAMES, OPTIMAL]
+    assert expand_policies(["lru", "all", "lru"]) == [*POLICY_NAMES, OPTIMAL]
+    assert expand_policies(["arc"]) == ["arc"]
+
+
+def test_cli_policy_all_compares_every_policy(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--workload", "documents", "--requests", "150",
+                 "--capacity-tokens", "25600,51200", "--policy", "all", "--json"]) == 0  # fmt: skip
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["policy"] for r in records] == [p for p in (*POLICY_NAMES, OPTIMAL) for _ in "ab"]
+    best = {r["capacity_tokens"]: r["hit_blocks"] for r in records if r["policy"] == OPTIMAL}
+    for r in records:
+        assert r["hit_blocks"] <= best[r["capacity_tokens"]]
+    assert main(["simulate", "--workload", "chat", "--requests", "100",
+                 "--capacity-tokens", "25600", "--policy", "all"]) == 0  # fmt: skip
+    table = capsys.readouterr().out
+    for policy in (*POLICY_NAMES, OPTIMAL):
+        assert f"\n{policy} " in table
+
+
+def test_cli_plot_draws_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")  # in the dev extra: present in CI
+    out = tmp_path / "policies.png"
+    assert main(["simulate", "--workload", "chat", "--requests", "120", "--policy", "lru,aslru",
+                 "--capacity-tokens", "10240,40960", "--plot", str(out)]) == 0  # fmt: skip
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert out.stat().st_size > 5000
+    assert OPTIMAL not in capsys.readouterr().out  # drawn, not asked for in the table
+
+
+def test_cli_plot_without_matplotlib_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    with pytest.raises(SystemExit) as info:
+        main(["simulate", "--workload", "chat", "--requests", "50",
+              "--plot", str(tmp_path / "p.png")])  # fmt: skip
+    assert info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.count("\n") == 1
+    assert "matplotlib" in captured.err
+    assert not (tmp_path / "p.png").exists()

@@ -12,13 +12,24 @@ import contextlib
 import math
 import sys
 from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 import msgspec
 
+from tiering.config import DEFAULT_POLICY
 from tiering.errors import TieringError
 from tiering.policies import POLICY_NAMES
-from tiering.simulate import SimulationResult, requests_to_keys, simulate_keys
+from tiering.simulate import (
+    ALL_POLICIES,
+    OPTIMAL,
+    SimulationResult,
+    check_plotting,
+    expand_policies,
+    plot_hit_rates,
+    requests_to_keys,
+    simulate_keys,
+)
 from tiering.workload import WORKLOADS, Request, load_workload, read_trace
 
 if TYPE_CHECKING:
@@ -130,10 +141,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sim.add_argument(
         "--policy",
-        type=_name_list(POLICY_NAMES),
+        type=_name_list((*ALL_POLICIES, "all")),
         default=list(POLICY_NAMES),
         metavar="P[,P...]",
-        help=f"cache policies ({', '.join(POLICY_NAMES)}; default: all)",
+        help=(
+            f"cache policies ({', '.join(POLICY_NAMES)}), {OPTIMAL} (the offline optimum, "
+            f"Belady), or all of them: all (default: {','.join(POLICY_NAMES)})"
+        ),
+    )
+    sim.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="also draw hit rate against capacity per policy, the offline optimum dashed "
+        "(needs matplotlib: the plot extra)",
     )
     sim.add_argument(
         "--block-tokens",
@@ -165,7 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     size.add_argument("--cpu-bytes", type=_positive_int, metavar="B", help="CPU tier size in bytes")
     rep.add_argument(
-        "--policy", choices=POLICY_NAMES, default="lru", help="cache policy (default lru)"
+        "--policy",
+        choices=POLICY_NAMES,
+        default=DEFAULT_POLICY,
+        help=f"cache policy (default {DEFAULT_POLICY})",
     )
     rep.add_argument(
         "--bytes-per-token",
@@ -232,10 +255,13 @@ def _run_simulate(args: argparse.Namespace) -> None:
     requests = _load_requests(args)
     if not requests:
         raise _UsageError("the workload has no requests")
+    if args.plot is not None:
+        check_plotting(args.plot)  # fail before a long run, not after it
     request_keys = requests_to_keys(requests)
     encoder = msgspec.json.Encoder()
     results: list[SimulationResult] = []
-    for policy in args.policy:
+    policies = expand_policies(args.policy)
+    for policy in policies:
         for capacity in args.capacity_tokens:
             result = simulate_keys(
                 request_keys,
@@ -249,6 +275,17 @@ def _run_simulate(args: argparse.Namespace) -> None:
             results.append(result)
     if not args.json:
         print(_simulation_table(results))
+    if args.plot is not None:
+        drawn = list(results)
+        if OPTIMAL not in policies:  # the plot always shows the optimum
+            drawn += [
+                simulate_keys(request_keys, capacity_tokens=capacity, policy=OPTIMAL,
+                              block_tokens=args.block_tokens)
+                for capacity in args.capacity_tokens
+            ]  # fmt: skip
+        source = Path(args.trace).name if args.trace is not None else f"{args.workload} workload"
+        title = f"{source}: {len(requests):,} requests, {results[0].blocks:,} blocks"
+        plot_hit_rates(drawn, args.plot, title=title)
 
 
 def _run_replay(args: argparse.Namespace) -> None:

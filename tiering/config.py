@@ -29,6 +29,7 @@ import msgspec
 from tiering.errors import ConfigError
 
 __all__ = [
+    "DEFAULT_POLICY",
     "OffloadingCacheConfig",
     "OffloadingConfig",
     "OffloadingGroupConfig",
@@ -36,6 +37,12 @@ __all__ = [
     "OffloadingParallelConfig",
     "load_config",
 ]
+
+#: The cache policy a tier uses when none is named (one of
+#: `tiering.policies.POLICY_NAMES`): the adaptive segmented LRU, ahead of LRU
+#: on the conversation trace from 0.5 to 10 million tokens and on both built-in
+#: workloads (figures in the README; `bench/policy.py` checks them).
+DEFAULT_POLICY = "aslru"
 
 
 def _check_int(owner: str, name: str, value: object, minimum: int, meaning: str) -> None:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from tiering._types import OffloadKey
-from tiering.config import OffloadingConfig
+from tiering.config import DEFAULT_POLICY, OffloadingConfig
 from tiering.cpu.common import CPUOffloadingInfo
 from tiering.cpu.manager import (
     ChunkEvent,
@@ -241,7 +241,7 @@ class TieringEngine:
         kv_caches: Mapping[str, torch.Tensor] | Sequence[KVCacheTensor],
         *,
         cpu_bytes: int,
-        policy: str | CachePolicy = "lru",
+        policy: str | CachePolicy = DEFAULT_POLICY,
         backend: str = "auto",
         backend_options: Mapping[str, Any] | None = None,
         limits: SchedulerLimits | None = None,

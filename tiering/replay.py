@@ -33,6 +33,7 @@ import torch
 
 from tiering._types import OffloadKey
 from tiering.config import (
+    DEFAULT_POLICY,
     OffloadingCacheConfig,
     OffloadingConfig,
     OffloadingGroupConfig,
@@ -56,7 +57,7 @@ _POISON = -0x2152411021524111  # 0xDEADBEEFDEADBEEF: a constant page, which no k
 class ReplayOptions(msgspec.Struct, frozen=True, kw_only=True):
     capacity_tokens: int | None = 3_000_000
     cpu_bytes: int | None = None  # overrides capacity_tokens
-    policy: str = "lru"
+    policy: str = DEFAULT_POLICY
     bytes_per_token: int = 128
     block_tokens: int = 512
     concurrency: int = 4

@@ -189,7 +189,7 @@ def test_zero_think_time_is_allowed() -> None:
 
 
 def test_load_workload_by_name(chat: list[Request]) -> None:
-    assert set(WORKLOADS) == {"chat"}
+    assert set(WORKLOADS) == {"chat", "documents"}
     assert load_workload("chat", 2000) == chat
     assert load_workload("chat", 100, seed=1) == chat_workload(100, seed=1)
     assert len(load_workload("chat", None)) == 5000

@@ -27,6 +27,7 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 import msgspec
 
 from tiering._types import Medium, OffloadKey
+from tiering.config import DEFAULT_POLICY
 from tiering.cpu.common import CPULoadStoreSpec
 from tiering.errors import ChunkStateError, ConfigError, UnknownKeyError
 from tiering.policies import CachePolicy, create_policy
@@ -126,7 +127,8 @@ class _Chunk(msgspec.Struct, gc=False):
 class CPUOffloadingManager:
     """The slot pool of a CPU tier of ``num_chunks`` chunks, and its state machine.
 
-    ``policy`` is a `CachePolicy` or a policy name (``"lru"``, ``"arc"``).
+    ``policy`` is a `CachePolicy` or a policy name (`tiering.policies.POLICY_NAMES`;
+    `tiering.config.DEFAULT_POLICY` by default).
     With ``enable_events``, stores, evictions and resets queue `ChunkEvent`
     records for `take_events`, at most ``max_pending_events`` of them: past
     that the oldest are dropped and counted (a consumer that lost events may
@@ -142,7 +144,7 @@ class CPUOffloadingManager:
     def __init__(
         self,
         num_chunks: int,
-        policy: CachePolicy | str = "lru",
+        policy: CachePolicy | str = DEFAULT_POLICY,
         *,
         enable_events: bool = False,
         max_pending_events: int = 65536,

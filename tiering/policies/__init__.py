@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+from tiering.config import DEFAULT_POLICY
 from tiering.errors import ConfigError
 from tiering.policies.arc import ARCPolicy
-from tiering.policies.base import CachePolicy
+from tiering.policies.aslru import ASLRUPolicy
+from tiering.policies.base import CachePolicy, PolicyStatistics
 from tiering.policies.lru import LRUPolicy
 
-__all__ = ["POLICY_NAMES", "ARCPolicy", "CachePolicy", "LRUPolicy", "create_policy"]
+__all__ = [
+    "DEFAULT_POLICY",
+    "POLICY_NAMES",
+    "ARCPolicy",
+    "ASLRUPolicy",
+    "CachePolicy",
+    "LRUPolicy",
+    "PolicyStatistics",
+    "create_policy",
+]
 
 #: Names accepted by `create_policy` (and by ``--policy`` on the command line).
-POLICY_NAMES: tuple[str, ...] = ("lru", "arc")
+POLICY_NAMES: tuple[str, ...] = ("lru", "arc", "aslru")
 
 
 def create_policy(name: str, capacity: int) -> CachePolicy:
@@ -19,4 +30,6 @@ def create_policy(name: str, capacity: int) -> CachePolicy:
         return LRUPolicy()
     if name == "arc":
         return ARCPolicy(capacity)
+    if name == "aslru":
+        return ASLRUPolicy(capacity)
     raise ConfigError(f"unknown cache policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")

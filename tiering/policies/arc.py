@@ -35,7 +35,7 @@ from itertools import filterfalse, islice
 
 from tiering._types import OffloadKey
 from tiering.errors import ConfigError
-from tiering.policies.base import CachePolicy
+from tiering.policies.base import CachePolicy, PolicyStatistics, estimate_entry_bytes
 
 __all__ = ["ARCPolicy"]
 
@@ -155,6 +155,17 @@ class ARCPolicy(CachePolicy):
 
     def __len__(self) -> int:
         return len(self._t1) + len(self._t2)
+
+    def statistics(self) -> PolicyStatistics:
+        history = len(self._b1) + len(self._b2)
+        return PolicyStatistics(
+            name=self.name,
+            tracked=len(self),
+            history=history,
+            history_limit=2 * self._capacity,
+            metadata_bytes=estimate_entry_bytes(len(self), history),
+            detail={"t1": len(self._t1), "t2": len(self._t2), "target_t1": self._p},
+        )
 
     def __repr__(self) -> str:
         return (

@@ -6,7 +6,9 @@ tokens, one prefix-hash id per 512-token block), the form `tiering replay` runs.
 
 from __future__ import annotations
 
-from tiering.workload.chat import WORKLOADS, WorkloadFactory, chat_workload, load_workload
+from tiering.workload.chat import chat_workload
+from tiering.workload.documents import documents_workload
+from tiering.workload.registry import WORKLOADS, WorkloadFactory, load_workload
 from tiering.workload.trace import BLOCK_TOKENS, Request, iter_trace, read_trace, write_trace
 
 __all__ = [
@@ -15,6 +17,7 @@ __all__ = [
     "Request",
     "WorkloadFactory",
     "chat_workload",
+    "documents_workload",
     "iter_trace",
     "load_workload",
     "read_trace",

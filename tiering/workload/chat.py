@@ -1,7 +1,7 @@
 """A built-in synthetic workload: multi-turn chat over shared system prompts.
 
 `chat_workload` returns requests in the trace form (`Request`), so a replay runs
-with no trace file, and `load_workload` finds a built-in workload by name.
+with no trace file (`tiering.workload.registry` finds it by name).
 
 Design note. Each conversation is one growing token stream::
 
@@ -32,9 +32,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Mapping
-from types import MappingProxyType
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -42,12 +40,7 @@ import numpy.typing as npt
 from tiering.errors import WorkloadError
 from tiering.workload.trace import BLOCK_TOKENS, Request
 
-__all__ = [
-    "WORKLOADS",
-    "WorkloadFactory",
-    "chat_workload",
-    "load_workload",
-]
+__all__ = ["chat_workload"]
 
 # Shapes that are not parameters: log-normal spreads of message lengths, bounds,
 # and how fast an answer is decoded (it delays the user's next turn).
@@ -281,28 +274,3 @@ def _to_requests(turns: list[_Turn]) -> list[Request]:
             )
         )
     return requests
-
-
-class WorkloadFactory(Protocol):
-    """A built-in workload: ``num_requests`` requests, deterministic for a ``seed``."""
-
-    def __call__(self, num_requests: int = ..., *, seed: int = ...) -> list[Request]: ...
-
-
-#: The built-in workloads by name (read-only).
-WORKLOADS: Mapping[str, WorkloadFactory] = MappingProxyType({"chat": chat_workload})
-
-
-def load_workload(name: str, num_requests: int | None = None, *, seed: int = 0) -> list[Request]:
-    """The built-in workload ``name`` with ``num_requests`` requests (``None``: its default).
-
-    Raises `WorkloadError` for an unknown name (the message lists the known ones)
-    or a bad ``num_requests`` or ``seed``.
-    """
-    factory = WORKLOADS.get(name)
-    if factory is None:
-        known = ", ".join(repr(known_name) for known_name in sorted(WORKLOADS))
-        raise WorkloadError(f"unknown workload {name!r}; known workloads: {known}")
-    if num_requests is None:
-        return factory(seed=seed)
-    return factory(num_requests, seed=seed)

@@ -1,0 +1,294 @@
+"""A built-in synthetic workload: many short questions about long shared documents.
+
+`documents_workload` returns requests in the trace form (`Request`), a shape
+unlike a chat service's: a few long prefixes (documents) are each reused by many
+requests, most of them a single question, while new documents keep arriving and
+old ones fade. It is the second workload cache policies are measured on (the
+first being `chat_workload`), so that a policy tuned to one shape of reuse is
+caught out on the other.
+
+Design note. Every prompt is::
+
+    system prompt | document | question 1 | answer 1 | question 2 | ...
+
+A session picks one document and asks ``mean_turns`` questions on average
+(geometric); turn k's prompt is turn k-1's prompt, its answer and a new question.
+Hash block i covers tokens ``[i * 512, (i + 1) * 512)``; a *full* block is named
+by the system prompt when it lies wholly inside it (shared by every request), by
+(document, i) when it lies wholly inside system prompt and document (shared by
+every session on that document), and by (session, i) otherwise. A prompt's last,
+partial block gets a fresh id, as in `chat_workload`.
+
+Popularity drifts: ``initial_documents`` documents exist at the start and a new
+one arrives every ``1 / document_rate`` seconds; a session picks the document of
+recency rank r (0: the newest) with weight ``1 / (r + 1) ** popularity_skew``.
+Each document's length is drawn from its own seeded stream, so a document has
+the same length whichever request first uses it, and the first n requests of a
+longer workload are the n requests of a shorter one.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from typing import NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+
+from tiering.errors import WorkloadError
+from tiering.workload.trace import BLOCK_TOKENS, Request
+
+__all__ = ["documents_workload"]
+
+_DOCUMENT_SIGMA = 0.5
+_QUESTION_SIGMA = 0.8
+_ANSWER_SIGMA = 0.8
+_MIN_DOCUMENT_TOKENS = 512
+_MIN_QUESTION_TOKENS = 4
+_MAX_ANSWER_TOKENS = 4096
+_DECODE_SECONDS_PER_TOKEN = 0.02
+_BATCH = 64
+#: The largest generated workload.
+MAX_REQUESTS = 10_000_000
+
+
+class _Turn(NamedTuple):
+    time_s: float
+    session: int
+    document: int
+    input_length: int
+    output_length: int
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise WorkloadError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _check_real(name: str, value: object, minimum: float, *, inclusive: bool) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < minimum
+        or (value == minimum and not inclusive)
+    ):
+        bound = ">=" if inclusive else ">"
+        raise WorkloadError(f"{name} must be a finite number {bound} {minimum:g}, got {value!r}")
+    return float(value)
+
+
+def _log_normal_mu(mean: float, sigma: float) -> float:
+    return math.log(mean) - sigma * sigma / 2.0
+
+
+def documents_workload(
+    num_requests: int = 5000,
+    *,
+    seed: int = 0,
+    initial_documents: int = 40,
+    document_rate: float = 0.05,
+    popularity_skew: float = 1.0,
+    document_tokens: int = 12000,
+    system_prompt_tokens: int = 1024,
+    question_tokens: int = 60,
+    answer_tokens: int = 250,
+    mean_turns: float = 1.5,
+    request_rate: float = 4.0,
+    think_time_s: float = 20.0,
+    max_input_tokens: int = 65536,
+) -> list[Request]:
+    """A deterministic document question-answering workload of ``num_requests`` requests.
+
+    - one system prompt of ``system_prompt_tokens`` tokens heads every prompt;
+    - documents of ``document_tokens`` tokens on average (log-normal, at least
+      512, cut to leave room for a question): ``initial_documents`` at the start,
+      then one more every ``1 / document_rate`` seconds, picked by recency with
+      Zipf weights of exponent ``popularity_skew``;
+    - sessions of ``mean_turns`` questions on average (geometric) of
+      ``question_tokens`` tokens on average, answers of ``answer_tokens``; a turn
+      that would pass ``max_input_tokens`` ends its session;
+    - requests arrive at about ``request_rate`` per second, a turn
+      ``think_time_s`` on average after the previous answer ends.
+
+    Requests are sorted by ``timestamp`` (ms, from 0) and follow the same block
+    conventions as `chat_workload`. The same arguments always give the same
+    requests. Raises `WorkloadError` for a parameter out of range.
+    """
+    _check_int("num_requests", num_requests, 0)
+    if num_requests > MAX_REQUESTS:
+        raise WorkloadError(
+            f"num_requests must be at most {MAX_REQUESTS:,} for a generated workload, "
+            f"got {num_requests:,}"
+        )
+    _check_int("seed", seed, 0)
+    _check_int("initial_documents", initial_documents, 1)
+    doc_rate = _check_real("document_rate", document_rate, 0.0, inclusive=True)
+    skew = _check_real("popularity_skew", popularity_skew, 0.0, inclusive=True)
+    _check_int("document_tokens", document_tokens, _MIN_DOCUMENT_TOKENS)
+    _check_int("system_prompt_tokens", system_prompt_tokens, 0)
+    _check_int("question_tokens", question_tokens, _MIN_QUESTION_TOKENS)
+    _check_int("answer_tokens", answer_tokens, 1)
+    turns_mean = _check_real("mean_turns", mean_turns, 1.0, inclusive=True)
+    rate = _check_real("request_rate", request_rate, 0.0, inclusive=False)
+    think = _check_real("think_time_s", think_time_s, 0.0, inclusive=True)
+    _check_int("max_input_tokens", max_input_tokens, 1)
+    room = max_input_tokens - system_prompt_tokens - 2 * BLOCK_TOKENS
+    if room < _MIN_DOCUMENT_TOKENS:
+        raise WorkloadError(
+            f"max_input_tokens must be at least system_prompt_tokens + "
+            f"{_MIN_DOCUMENT_TOKENS + 2 * BLOCK_TOKENS} = "
+            f"{system_prompt_tokens + _MIN_DOCUMENT_TOKENS + 2 * BLOCK_TOKENS} so that a "
+            f"document and a question fit, got {max_input_tokens}"
+        )
+    if num_requests == 0:
+        return []
+    documents = _Documents(seed, document_tokens, room, skew)
+    turns = _draw_turns(
+        np.random.default_rng(seed),
+        num_requests,
+        documents=documents,
+        initial_documents=initial_documents,
+        document_rate=doc_rate,
+        system_tokens=system_prompt_tokens,
+        question_tokens=question_tokens,
+        answer_tokens=answer_tokens,
+        mean_turns=turns_mean,
+        session_rate=rate / turns_mean,
+        think_time_s=think,
+        max_input_tokens=max_input_tokens,
+    )
+    return _to_requests(turns, documents, system_prompt_tokens)
+
+
+class _Documents:
+    """Document lengths (each from its own seeded stream) and recency-Zipf picks."""
+
+    def __init__(self, seed: int, mean_tokens: int, max_tokens: int, skew: float) -> None:
+        self._seed = seed
+        self._mu = _log_normal_mu(mean_tokens, _DOCUMENT_SIGMA)
+        self._max = max_tokens
+        self._skew = skew
+        self._lengths: dict[int, int] = {}
+        self._cumulative: npt.NDArray[np.float64] = np.zeros(0)
+
+    def length(self, document: int) -> int:
+        tokens = self._lengths.get(document)
+        if tokens is None:
+            rng = np.random.default_rng([self._seed, document])
+            drawn = round(float(rng.lognormal(self._mu, _DOCUMENT_SIGMA)))
+            tokens = self._lengths[document] = min(max(drawn, _MIN_DOCUMENT_TOKENS), self._max)
+        return tokens
+
+    def pick(self, uniform: float, count: int) -> int:
+        """The document a draw ``uniform`` in [0, 1) picks among ``count`` (0 the oldest)."""
+        if self._cumulative.size < count:
+            size = max(count, 2 * self._cumulative.size, 64)
+            weights = np.arange(1, size + 1, dtype=np.float64) ** -self._skew
+            self._cumulative = np.cumsum(weights)
+        u = uniform * float(self._cumulative[count - 1])
+        rank = min(int(np.searchsorted(self._cumulative[:count], u, side="right")), count - 1)
+        return count - 1 - rank
+
+
+def _draw_turns(
+    rng: np.random.Generator,
+    num_requests: int,
+    *,
+    documents: _Documents,
+    initial_documents: int,
+    document_rate: float,
+    system_tokens: int,
+    question_tokens: int,
+    answer_tokens: int,
+    mean_turns: float,
+    session_rate: float,
+    think_time_s: float,
+    max_input_tokens: int,
+) -> list[_Turn]:
+    """The ``num_requests`` earliest turns, sorted by arrival time (as in `chat_workload`)."""
+    question_mu = _log_normal_mu(question_tokens, _QUESTION_SIGMA)
+    answer_mu = _log_normal_mu(answer_tokens, _ANSWER_SIGMA)
+    turns: list[_Turn] = []
+    earliest: list[float] = []  # negated times of the num_requests earliest turns (max-heap)
+    start = 0.0
+    session = 0
+    while True:
+        counts = rng.geometric(1.0 / mean_turns, size=_BATCH)
+        start_gaps = rng.exponential(1.0 / session_rate, size=_BATCH)
+        picks = rng.random(size=_BATCH).tolist()
+        total = int(counts.sum())
+        questions = rng.lognormal(question_mu, _QUESTION_SIGMA, size=total)
+        answers = rng.lognormal(answer_mu, _ANSWER_SIGMA, size=total)
+        thinks = rng.exponential(think_time_s, size=total).tolist()
+        questions_int = np.maximum(np.rint(questions), _MIN_QUESTION_TOKENS).astype(np.int64)
+        answers_int = np.clip(np.rint(answers), 1, _MAX_ANSWER_TOKENS).astype(np.int64)
+        offset = 0
+        for j in range(_BATCH):
+            if len(earliest) == num_requests and -earliest[0] <= start:
+                turns.sort()
+                return turns[:num_requests]
+            count = initial_documents + int(start * document_rate)
+            document = documents.pick(picks[j], count)
+            length = system_tokens + documents.length(document)
+            time_s = start
+            for k in range(int(counts[j])):
+                prompt = length + int(questions_int[offset + k])
+                if prompt > max_input_tokens:
+                    if k:
+                        break
+                    prompt = max_input_tokens
+                output = int(answers_int[offset + k])
+                turns.append(_Turn(time_s, session, document, prompt, output))
+                if len(earliest) < num_requests:
+                    heapq.heappush(earliest, -time_s)
+                elif time_s < -earliest[0]:
+                    heapq.heapreplace(earliest, -time_s)
+                length = prompt + output
+                time_s += output * _DECODE_SECONDS_PER_TOKEN + thinks[offset + k]
+            offset += int(counts[j])
+            session += 1
+            start += float(start_gaps[j])
+
+
+def _to_requests(turns: list[_Turn], documents: _Documents, system_tokens: int) -> list[Request]:
+    """Name blocks by system prompt, document or session, numbering ids by first appearance."""
+    next_id = 0
+    system_ids: list[int] = []
+    document_ids: dict[int, list[int]] = {}
+    streams: dict[int, list[int]] = {}
+    requests: list[Request] = []
+    system_blocks = system_tokens // BLOCK_TOKENS
+    for turn in turns:
+        full_blocks = turn.input_length // BLOCK_TOKENS
+        stream = streams.setdefault(turn.session, [])
+        if len(stream) < full_blocks:
+            document_end = system_tokens + documents.length(turn.document)
+            shared = min(document_end // BLOCK_TOKENS, full_blocks)
+            while len(system_ids) < system_blocks:  # every prompt holds the whole system prompt
+                system_ids.append(next_id)
+                next_id += 1
+            own = document_ids.setdefault(turn.document, list(system_ids))
+            while len(own) < shared:
+                own.append(next_id)
+                next_id += 1
+            if len(stream) < shared:
+                stream.extend(own[len(stream) : shared])
+            fresh = full_blocks - len(stream)
+            stream.extend(range(next_id, next_id + fresh))
+            next_id += fresh
+        hash_ids = stream[:full_blocks]
+        if turn.input_length % BLOCK_TOKENS:
+            hash_ids.append(next_id)
+            next_id += 1
+        requests.append(
+            Request(
+                timestamp=int(turn.time_s * 1000.0),
+                input_length=turn.input_length,
+                output_length=turn.output_length,
+                hash_ids=tuple(hash_ids),
+            )
+        )
+    return requests
