@@ -10,8 +10,9 @@ import anyio
 import msgspec
 import pytest
 
-from tiering import ConfigError, make_offload_key
+from tiering import ConfigError, OffloadingGroupConfig, make_offload_key
 from tiering.engine import TieringEngine
+from tiering.errors import EventSchemaError
 from tiering.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -131,8 +132,61 @@ async def test_callers_can_describe_the_blocks_of_each_chunk(anyio_backend: str)
             tokens,
             16,
         )
+        # A description that does not fit is refused before anything is queued.
         with pytest.raises(ConfigError, match="one ChunkBlocks"):
             await engine.submit_store([key(3)], GPULoadStoreSpec([2]), blocks=[])
+        with pytest.raises(ConfigError, match="ChunkBlocks or None"):
+            engine.submit_store_nowait([key(3)], GPULoadStoreSpec([2]), blocks=[b"x"])  # type: ignore[list-item]
+        assert engine.lookup([key(3)]).missing == 1
+        with pytest.raises(EventSchemaError, match="2\\*\\*64"):
+            ChunkBlocks(block_hashes=[1 << 64], block_size=16)
+
+
+async def test_a_description_goes_with_its_own_store(anyio_backend: str) -> None:
+    """A described store that fails leaves nothing behind for a later store of the key."""
+    engine = TieringEngine(events_config(), kv_caches(), cpu_bytes=4 * CHUNK_BYTES, backend="mock")
+    async with engine:
+        subscription = engine.subscribe()
+        backend = mock(engine)
+        backend.close_gate()
+        try:
+            handle = await engine.submit_store(
+                [key(7)],
+                GPULoadStoreSpec([0]),
+                blocks=[ChunkBlocks(block_hashes=[777], block_size=16)],
+            )
+            backend._fail = set(backend.held)
+        finally:
+            backend.open_gate()
+        assert (await handle).outcome is JobOutcome.FAILED
+        backend._fail = None
+        assert await store(engine, [7], [1]) is JobOutcome.SUCCEEDED
+        (stored,) = await next_events(subscription)
+        assert isinstance(stored, BlockStored)
+        assert (stored.block_hashes, stored.token_ids) == ([wire_hash(7)], [])
+
+
+async def test_each_group_announces_its_own_block_size(anyio_backend: str) -> None:
+    cfg = msgspec.structs.replace(
+        events_config(),
+        groups=(
+            OffloadingGroupConfig(tokens_per_block=16, layer_names=("k",)),
+            OffloadingGroupConfig(tokens_per_block=64, layer_names=("v",)),
+        ),
+    )
+    engine = TieringEngine(cfg, kv_caches(), cpu_bytes=4 * CHUNK_BYTES, backend="mock")
+    async with engine:
+        subscription = engine.subscribe()
+        keys = [make_offload_key(b"a" * 8, 0), make_offload_key(b"b" * 8, 1)]
+        handle = await engine.submit_store(keys, GPULoadStoreSpec([0, 1], [1, 1], [0, 0]))
+        assert (await handle).success
+        events = await next_events(subscription)
+        assert [(e.group_idx, e.block_size) for e in events] == [(0, 16), (1, 64)]
+
+
+def test_events_settings_need_events_on() -> None:
+    with pytest.raises(ConfigError, match="enable_kv_cache_events"):
+        TieringEngine(config(), kv_caches(), cpu_bytes=CHUNK_BYTES, events=KVEventsConfig())
 
 
 async def test_a_slow_subscriber_loses_its_oldest_batches_and_never_slows_the_engine(

@@ -19,7 +19,8 @@ from __future__ import annotations
 import enum
 import itertools
 import logging
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, Self
 
 import anyio.lowlevel
@@ -38,7 +39,7 @@ from tiering.cpu.manager import (
     ManagerStatistics,
 )
 from tiering.errors import CapacityError, ChunkStateError, ConfigError, ResourceClosedError
-from tiering.events import ChunkBlocks, EventTranslator, KVEventsConfig
+from tiering.events import ChunkBlocks, EventTranslator, KVEvent, KVEventBatch, KVEventsConfig
 from tiering.events.bus import EventBus, EventSink, EventStatistics, EventSubscription
 from tiering.policies import CachePolicy
 from tiering.scheduler import (
@@ -47,6 +48,7 @@ from tiering.scheduler import (
     Scheduler,
     SchedulerLimits,
     SchedulerStatistics,
+    manager_job,
 )
 from tiering.specs import GPULoadStoreSpec, IntArray
 from tiering.transfer import (
@@ -144,22 +146,25 @@ _ENGINE_IDS = itertools.count()
 class _Events:
     """The event side of an engine: translator, bus and sinks, and block descriptions.
 
-    ``blocks`` holds what callers said about chunks being stored, until their
-    `BlockStored` is built; descriptions of stores that failed or were skipped
-    are pruned once they outnumber the chunks being written.
+    ``described`` holds what callers said about the chunks of each store job,
+    until the job's `ChunksStored` is translated (matched by job id, so a key
+    stored, evicted and stored again is described by the right store); the
+    descriptions of jobs that failed or were cancelled are pruned once they
+    outnumber the stores in flight.
     """
 
     def __init__(self, config: OffloadingConfig, settings: KVEventsConfig | None) -> None:
-        tokens_per_block = config.groups[0].tokens_per_block if config.groups else 1
+        bpc = config.cache.blocks_per_chunk
         self.settings = settings
         self.translator = EventTranslator(
-            tokens_per_chunk=tokens_per_block * config.cache.blocks_per_chunk,
+            tokens_per_chunk=[g.tokens_per_block * bpc for g in config.groups] or 1,
             hash_format=settings.hash_format if settings is not None else "int",
         )
         self.rank = config.parallel.data_parallel_index
-        self.blocks: dict[OffloadKey, ChunkBlocks] = {}
+        self.described: dict[Hashable, dict[OffloadKey, ChunkBlocks]] = {}
         self.scheduled = False
         self.endpoints: tuple[str, str | None] | None = None  # the publisher's, once bound
+        self.lost = 0  # events that could not be translated (a bug): logged and counted
         self._bus: EventBus | None = None
 
     @property
@@ -182,35 +187,46 @@ class _Events:
         if self._bus is not None:
             await self._bus.aclose()
 
-    def describe(
-        self,
-        keys: Sequence[OffloadKey],
-        blocks: Sequence[ChunkBlocks | None],
-        manager: CPUOffloadingManager,
-    ) -> None:
+    @staticmethod
+    def check(keys: Sequence[OffloadKey], blocks: Sequence[ChunkBlocks | None]) -> None:
+        """Refuse descriptions that do not fit the store, before it is submitted."""
         if len(blocks) != len(keys):
             raise ConfigError(
                 f"blocks describes {len(blocks)} chunks but the store has {len(keys)} keys; "
                 "give one ChunkBlocks (or None) per key"
             )
-        writing = manager.is_writing
-        for key, info in zip(keys, blocks, strict=True):
-            if info is not None and writing(key):
-                self.blocks[key] = info
-        if len(self.blocks) > 2 * manager.statistics().writing + 64:
-            self.blocks = {k: v for k, v in self.blocks.items() if writing(k)}
+        for info in blocks:
+            if info is not None and not isinstance(info, ChunkBlocks):
+                raise ConfigError(f"blocks holds {info!r}; give a ChunkBlocks or None per key")
+
+    def describe(
+        self,
+        job: Hashable,
+        keys: Sequence[OffloadKey],
+        blocks: Sequence[ChunkBlocks | None],
+        manager: CPUOffloadingManager,
+    ) -> None:
+        described = {k: info for k, info in zip(keys, blocks, strict=True) if info is not None}
+        if described and manager.store_in_flight(job):
+            self.described[job] = described
+        if len(self.described) > 64 + 2 * manager.statistics().writing:
+            self.described = {j: d for j, d in self.described.items() if manager.store_in_flight(j)}
 
     def publish(self, events: list[ChunkEvent]) -> None:
-        if not events:
-            return
-        batch = self.translator.batch(events, self.blocks, data_parallel_rank=self.rank)
-        if self.blocks:
-            for event in events:
-                if isinstance(event, ChunksStored):
-                    for key in event.keys:
-                        self.blocks.pop(key, None)
-        if batch is not None and self._bus is not None:
-            self._bus.publish(batch)
+        wire: list[KVEvent] = []
+        for event in events:
+            blocks = None
+            if isinstance(event, ChunksStored) and event.job is not None:
+                blocks = self.described.pop(event.job, None)
+            try:
+                wire += self.translator.translate([event], blocks)
+            except Exception:  # descriptions are checked at submission: a bug
+                logger.exception("KV cache events: cannot translate %r", event)
+                self.lost += 1
+        if wire and self._bus is not None:
+            self._bus.publish(
+                KVEventBatch(ts=time.time(), events=wire, data_parallel_rank=self.rank)
+            )
 
     def statistics(self) -> EventStatistics | None:
         return self._bus.statistics() if self._bus is not None else None
@@ -278,6 +294,11 @@ class TieringEngine:
             )
         self.backend_name = backend
         self._backend_options = dict(backend_options or {})
+        if events is not None and not config.enable_kv_cache_events:
+            raise ConfigError(
+                "events settings were given but the config has enable_kv_cache_events=False; "
+                "set it to publish KV cache events"
+            )
         self._events = _Events(config, events) if config.enable_kv_cache_events else None
         self.manager = CPUOffloadingManager(
             num_chunks,
@@ -295,6 +316,7 @@ class TieringEngine:
         )
         self._prefault = prefault
         self._token: anyio.lowlevel.EventLoopToken | None = None
+        self._closed: anyio.Event | None = None  # set once a close has finished
         self._pool: HostMemoryPool | None = None
         self._backend: TransferBackend | None = None
         self._state = _State.NEW
@@ -323,6 +345,7 @@ class TieringEngine:
             if self._events is not None:
                 self._events.open()
             self._token = anyio.lowlevel.current_token()
+            self._closed = anyio.Event()
             self.scheduler.open()
         except BaseException:
             self._pool.close()
@@ -338,7 +361,8 @@ class TieringEngine:
     async def aclose(self) -> None:
         """Queued jobs end cancelled, running ones finish, host memory is freed. Idempotent."""
         if self._state in (_State.CLOSING, _State.CLOSED):
-            await self.scheduler.aclose()  # waits for a close in progress
+            if self._closed is not None:
+                await self._closed.wait()  # a close in progress: wait until it is whole
             return
         if self._state is _State.NEW:
             self._state = _State.CLOSED
@@ -347,12 +371,16 @@ class TieringEngine:
         try:
             await self.scheduler.aclose()
         finally:
-            if self._pool is not None:
-                self._pool.close()
-            if self._events is not None:
-                self._publish_events()  # what the last completions changed
-                await self._events.aclose()
-            self._state = _State.CLOSED
+            try:
+                if self._pool is not None:
+                    self._pool.close()
+                if self._events is not None:
+                    self._publish_events()  # what the last completions changed
+                    await self._events.aclose()
+            finally:
+                self._state = _State.CLOSED
+                if self._closed is not None:
+                    self._closed.set()
 
     @property
     def backend(self) -> TransferBackend:
@@ -401,9 +429,11 @@ class TieringEngine:
         the parent hash ("self-describing" events). Ignored without events.
         """
         self._check_open()
+        if blocks is not None and self._events is not None:
+            self._events.check(keys, blocks)
         handle = self.scheduler.submit_nowait(JobKind.STORE, keys, gpu)
         if blocks is not None and self._events is not None:
-            self._events.describe(keys, blocks, self.manager)
+            self._events.describe(manager_job(handle.job_id), keys, blocks, self.manager)
         return handle
 
     def submit_load_nowait(self, keys: Sequence[OffloadKey], gpu: GPULoadStoreSpec) -> JobHandle:
@@ -420,9 +450,11 @@ class TieringEngine:
     ) -> JobHandle:
         """Queue a store, waiting for room in the queue; returns its handle at once after."""
         self._check_open()
+        if blocks is not None and self._events is not None:
+            self._events.check(keys, blocks)
         handle = await self.scheduler.submit(JobKind.STORE, keys, gpu)
         if blocks is not None and self._events is not None:
-            self._events.describe(keys, blocks, self.manager)
+            self._events.describe(manager_job(handle.job_id), keys, blocks, self.manager)
         return handle
 
     async def submit_load(self, keys: Sequence[OffloadKey], gpu: GPULoadStoreSpec) -> JobHandle:
@@ -492,7 +524,9 @@ class TieringEngine:
             manager=self.manager.statistics(),
             scheduler=self.scheduler.statistics(),
             backend=self._backend.statistics() if self._backend is not None else None,
-            pool=self._pool.statistics() if self._pool is not None else None,
+            # Cheap enough for every scrape: the pool's resident size (a scan of
+            # the whole tier) is left out; `HostMemoryPool.resident_bytes` measures it.
+            pool=self._pool.statistics(resident=False) if self._pool is not None else None,
             events=self._events.statistics() if self._events is not None else None,
         )
 

@@ -62,6 +62,7 @@ __all__ = [
     "SchedulerStatistics",
     "chunk_block_ranges",
     "chunk_count",
+    "manager_job",
     "select_chunks",
 ]
 
@@ -299,6 +300,11 @@ class _Direction:
         )
 
 
+def manager_job(job_id: int) -> tuple[str, int]:
+    """The id under which the scheduler's job ``job_id`` holds state in the manager."""
+    return ("scheduler", job_id)
+
+
 def chunk_count(spec: GPULoadStoreSpec, blocks_per_chunk: int) -> int:
     """How many chunks ``spec`` covers (a group's first chunk may be partial)."""
     count = 0
@@ -530,7 +536,7 @@ class Scheduler:
         job = _Job(next(self._job_ids), kind, tuple(keys))
         handle = JobHandle(job, self)
         if kind is JobKind.STORE:
-            output = self._manager.prepare_store(keys, job=("scheduler", job.id))
+            output = self._manager.prepare_store(keys, job=manager_job(job.id))
             if output is None:
                 self._finish(job, JobOutcome.NO_ROOM, _NO_ROOM)
                 return handle
@@ -553,7 +559,7 @@ class Scheduler:
             job.slices.append(_Slice(gpu=sub, cpu=output.store_spec, nbytes=job.nbytes))
             self._stores[job.id] = job
         else:
-            cpu = self._manager.prepare_load(keys, job=("scheduler", job.id))
+            cpu = self._manager.prepare_load(keys, job=manager_job(job.id))
             job.chunks = len(keys)
             step = self.limits.slice_chunks
             if len(keys) <= step:
@@ -714,9 +720,9 @@ class Scheduler:
         """Release a started job's manager state and finish it."""
         self._dirs[job.kind].in_flight -= 1
         if job.kind is JobKind.STORE:
-            self._manager.complete_store(job=("scheduler", job.id), success=ok)
+            self._manager.complete_store(job=manager_job(job.id), success=ok)
         else:
-            self._manager.complete_load(job=("scheduler", job.id))
+            self._manager.complete_load(job=manager_job(job.id))
         self._finish(job, JobOutcome.SUCCEEDED if ok else JobOutcome.FAILED, error)
 
     def _finish(self, job: _Job, outcome: JobOutcome, error: str | None = None) -> None:
@@ -756,9 +762,9 @@ class Scheduler:
         except ValueError:
             return False
         if job.kind is JobKind.STORE:
-            self._manager.complete_store(job=("scheduler", job.id), success=False)
+            self._manager.complete_store(job=manager_job(job.id), success=False)
         else:
-            self._manager.complete_load(job=("scheduler", job.id))
+            self._manager.complete_load(job=manager_job(job.id))
         self._finish(job, JobOutcome.CANCELLED, "cancelled before it started")
         direction.room.set()
         return True

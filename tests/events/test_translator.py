@@ -153,7 +153,7 @@ def test_inconsistent_block_info_is_refused(fields: dict[str, object], message: 
 
 
 def test_bad_translator_settings_are_config_errors() -> None:
-    with pytest.raises(ConfigError, match="tokens_per_chunk must be >= 1, got 0"):
+    with pytest.raises(ConfigError, match=r"tokens_per_chunk must be an integer >= 1 .*, got 0"):
         EventTranslator(tokens_per_chunk=0)
     with pytest.raises(ConfigError, match="tokens_per_chunk must be an integer"):
         EventTranslator(tokens_per_chunk=1.5)  # type: ignore[arg-type]

@@ -36,6 +36,24 @@ def batch(i: int, n: int = 1) -> KVEventBatch:
     return KVEventBatch(ts=float(i), events=list(events), data_parallel_rank=0)
 
 
+def raw_replay(endpoint: str | None, start: int) -> list[int]:
+    """The sequence numbers a DEALER gets for a replay request from ``start``."""
+    assert endpoint is not None
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        dealer.connect(endpoint)
+        dealer.send_multipart([b"", start.to_bytes(8, "big")])
+        got = []
+        while True:
+            assert dealer.poll(10_000), "no replay answer"
+            frames = dealer.recv_multipart()
+            if frames[2] == END_SEQ:
+                return got
+            got.append(int.from_bytes(frames[2], "big"))
+    finally:
+        dealer.close(linger=0)
+
+
 async def take(subscriber: ZmqSubscriber, n: int) -> list[EventItem]:
     return [await anext(subscriber) for _ in range(n)]
 
@@ -275,9 +293,33 @@ async def test_a_full_queue_drops_new_batches_and_counts_them(
     # The dropped batches used their sequence numbers: subscribers see the loss.
     assert after[0] == Gap(5, 7)
     assert seqs(after[1:]) == [8]
+    # The replay buffer has a hole where 5..7 were dropped: a replay from past it
+    # still finds what follows (it searches by number, not by position).
+    assert await anyio.to_thread.run_sync(raw_replay, publisher.replay_endpoint, 8) == [8]
+    assert await anyio.to_thread.run_sync(raw_replay, publisher.replay_endpoint, 6) == [8]
+    assert await anyio.to_thread.run_sync(raw_replay, publisher.replay_endpoint, 2) == [2, 3, 4, 8]
     publisher.close()
     stats = publisher.statistics()
     assert (stats.name, stats.published_total, stats.dropped_total) == ("zmq", 12, 6)
+
+
+async def test_a_batch_that_cannot_be_encoded_is_dropped_and_counted(
+    make_publisher: MakePublisher,
+) -> None:
+    publisher = make_publisher()
+    async with ZmqSubscriber(
+        publisher.endpoint, publisher.replay_endpoint, start_seq=0, idle_replay=0.05
+    ) as subscriber:
+        bad = KVEventBatch(ts=0.0, events=[BlockRemoved(block_hashes=[1 << 70], medium="CPU")])
+        publisher.publish(bad)  # past 64 bits: msgpack refuses it in the publisher thread
+        publisher.publish(batch(1))
+        with anyio.fail_after(10):
+            got = await take(subscriber, 2)
+    assert got[0] == Gap(0, 0)
+    assert seqs(got[1:]) == [1]
+    publisher.close()
+    stats = publisher.statistics()
+    assert (stats.published_total, stats.dropped_total) == (1, 1)
 
 
 async def test_close_gives_up_after_its_timeout(make_publisher: MakePublisher) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import enum
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Any
 
 import msgspec
 
@@ -63,10 +64,13 @@ class PrepareStoreOutput(msgspec.Struct, frozen=True, kw_only=True, gc=False):
 
 
 class ChunksStored(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag=True):
-    """Chunks whose stores landed: readable from now on."""
+    """Chunks whose stores landed: readable from now on. ``job`` is the store's
+    job id when `complete_store` was given one (to match it with what its
+    submitter said about the chunks)."""
 
     keys: tuple[OffloadKey, ...]
     medium: Medium = Medium.CPU
+    job: Any = None
 
 
 class ChunksRemoved(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag=True):
@@ -214,10 +218,9 @@ class CPUOffloadingManager:
         self._lookups[result] += 1
         return result
 
-    def is_writing(self, key: OffloadKey) -> bool:
-        """Whether ``key`` is being stored (not counted as a lookup)."""
-        chunk = self._chunks.get(key)
-        return chunk is not None and chunk.pins == _WRITING
+    def store_in_flight(self, job: Hashable) -> bool:
+        """Whether store job ``job`` was prepared and not completed yet."""
+        return job in self._store_jobs
 
     def lookup_prefix(self, keys: Iterable[OffloadKey]) -> int:
         """How many of ``keys``, from the first, are ready to load."""
@@ -427,7 +430,7 @@ class CPUOffloadingManager:
             self._evictable += len(done)
             self._stored += len(done)
             if self._enable_events:
-                self._push_event(ChunksStored(keys=tuple(done)))
+                self._push_event(ChunksStored(keys=tuple(done), job=job))
         else:
             self._policy.remove(done)
             self._store_failed += len(done)

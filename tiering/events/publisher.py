@@ -26,12 +26,16 @@ here; those the subscriber sees as a gap that replay can fill.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import enum
 import itertools
+import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
+from typing import overload
 
 import msgspec
 import zmq
@@ -40,6 +44,8 @@ from tiering.errors import ConfigError, ResourceClosedError
 from tiering.events.bus import SinkStatistics
 from tiering.events.config import KVEventsConfig
 from tiering.events.schema import KVEventBatch
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["END_SEQ", "PublisherState", "ZmqEventPublisher", "should_bind"]
 
@@ -60,6 +66,25 @@ class PublisherState(enum.Enum):
     OPEN = "open"
     CLOSING = "closing"
     CLOSED = "closed"
+
+
+class _Seqs(Sequence[int]):
+    """The sequence numbers of the replay buffer, as a sorted sequence for `bisect`."""
+
+    def __init__(self, buffer: deque[tuple[int, bytes, bytes]]) -> None:
+        self._buffer = buffer
+
+    def __len__(self) -> int:
+        return len(self._buffer)
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[int]: ...
+    def __getitem__(self, index: int | slice) -> int | Sequence[int]:
+        if isinstance(index, slice):
+            return [entry[0] for entry in itertools.islice(self._buffer, *index.indices(len(self)))]
+        return self._buffer[index][0]
 
 
 class ZmqEventPublisher:
@@ -236,7 +261,12 @@ class ZmqEventPublisher:
             self._wake_rx.close(linger=0)
 
     def _send(self, seq: int, batch: KVEventBatch) -> None:
-        payload = self._encoder.encode(batch)
+        try:
+            payload = self._encoder.encode(batch)
+        except Exception:  # a batch that cannot be encoded: lose it, counted, and go on
+            logger.exception("ZMQ publisher: batch %d cannot be encoded; dropped", seq)
+            self._dropped_thread += len(batch.events)
+            return
         seq_bytes = seq.to_bytes(8, "big")
         self._buffer.append((seq, seq_bytes, payload))
         try:
@@ -270,7 +300,9 @@ class ZmqEventPublisher:
             identity = frames[0]
             start = int.from_bytes(frames[2], "big")
             buffer = self._buffer
-            skip = max(0, start - buffer[0][0]) if buffer else 0
+            # Not by position: a batch dropped for a full queue kept its number
+            # but never entered the buffer, so the buffer's numbers have holes.
+            skip = bisect.bisect_left(_Seqs(buffer), start)
             try:
                 for _, seq_bytes, payload in itertools.islice(buffer, skip, None):
                     replay.send_multipart([identity, b"", self._topic, seq_bytes, payload])

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 
@@ -192,6 +192,17 @@ class ChunkBlocks(msgspec.Struct, frozen=True, kw_only=True, gc=False):
             )
         if self.block_size < 1:
             raise EventSchemaError(f"ChunkBlocks.block_size must be >= 1, got {self.block_size}")
+        hashes = [*self.block_hashes]
+        if self.parent_block_hash is not None:
+            hashes.append(self.parent_block_hash)
+        for h in hashes:
+            if not (isinstance(h, bytes) or (type(h) is int and 0 <= h < 1 << 64)):
+                raise EventSchemaError(
+                    f"ChunkBlocks hashes must be bytes or integers in [0, 2**64), got {h!r}"
+                )
+        if self.token_ids is not None and not all(type(t) is int for t in self.token_ids):
+            bad = next(t for t in self.token_ids if type(t) is not int)
+            raise EventSchemaError(f"ChunkBlocks.token_ids must be integers, got {bad!r}")
         tokens = self.token_ids
         if tokens is not None and len(tokens) != len(self.block_hashes) * self.block_size:
             n = len(self.block_hashes)
@@ -225,28 +236,38 @@ class EventTranslator:
 
     def __init__(
         self,
-        tokens_per_chunk: int,
+        tokens_per_chunk: int | Sequence[int],
         *,
         hash_format: HashFormat | str = HashFormat.INT,
         locality: str | None = None,
     ) -> None:
-        if isinstance(tokens_per_chunk, bool) or not isinstance(tokens_per_chunk, int):
-            raise ConfigError(f"tokens_per_chunk must be an integer, got {tokens_per_chunk!r}")
-        if tokens_per_chunk < 1:
-            raise ConfigError(f"tokens_per_chunk must be >= 1, got {tokens_per_chunk}")
+        per_group = (
+            tokens_per_chunk if isinstance(tokens_per_chunk, (list, tuple)) else (tokens_per_chunk,)
+        )
+        values: list[object] = [*per_group] or [None]
+        for tokens in values:
+            if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+                raise ConfigError(
+                    "tokens_per_chunk must be an integer >= 1 (or one per KV-cache group), "
+                    f"got {tokens_per_chunk!r}"
+                )
         try:
             self._format = HashFormat(hash_format)
         except ValueError:
             raise ConfigError(
                 f"hash_format must be 'int' or 'bytes', got {hash_format!r}"
             ) from None
-        self._tokens_per_chunk = tokens_per_chunk
+        self._tokens_per_chunk: tuple[int, ...] = tuple(cast(Sequence[int], per_group))  # by group
         self._locality = locality
         self._announced: dict[OffloadKey, list[BlockHash]] = {}
 
     @property
     def hash_format(self) -> HashFormat:
         return self._format
+
+    def _tokens_of(self, group: int) -> int:
+        tokens = self._tokens_per_chunk
+        return tokens[group] if group < len(tokens) else tokens[-1]
 
     def translate(
         self,
@@ -298,7 +319,7 @@ class EventTranslator:
                     run.hashes.append(chunk_hash)
                     continue
                 self._flush_stored(run, medium, out)
-                run = _Run(group, [chunk_hash], self._tokens_per_chunk)
+                run = _Run(group, [chunk_hash], self._tokens_of(group))
                 continue
             hashes = [wire_hash(h, fmt) for h in info.block_hashes]
             parent = info.parent_block_hash

@@ -43,7 +43,7 @@ class PoolStatistics(msgspec.Struct, frozen=True, kw_only=True):
 
     nbytes: int
     mapped_bytes: int
-    resident_bytes: int
+    resident_bytes: int | None  # None unless asked for: measuring scans the whole region
     shared: bool
     closed: bool
 
@@ -186,11 +186,12 @@ class HostMemoryPool:
                 return 0
             return _resident_bytes(self.data_ptr, self.mapped_bytes)
 
-    def statistics(self) -> PoolStatistics:
+    def statistics(self, *, resident: bool = True) -> PoolStatistics:
+        """A snapshot; ``resident=False`` skips `resident_bytes` (a scan of every page)."""
         return PoolStatistics(
             nbytes=self.nbytes,
             mapped_bytes=self.mapped_bytes,
-            resident_bytes=self.resident_bytes(),
+            resident_bytes=self.resident_bytes() if resident else None,
             shared=self.shared,
             closed=self.closed,
         )
