@@ -28,6 +28,10 @@ LAYERS: dict[str, float] = {
     "transfer": 2.5,
     "events": 3,
     "scheduler": 4,
+    "secondary": 4,  # the SecondaryTier contract, health, the in-memory tier
+    "secondary.codec": 1,  # pure: the value format
+    "secondary.checksum": 1,
+    "secondary.redis": 6,  # redis-py, imported lazily
     "metrics": 5,
     "engine": 6,
     "workload": 7,

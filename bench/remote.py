@@ -1,0 +1,251 @@
+"""Write and read throughput of the Redis tier on loopback, beside raw SET/GET from Python.
+
+A fresh ``redis-server`` is started on a free loopback port (no persistence) and
+stopped by its pid at the end. For 256 KiB and 2 MiB chunks, ``--mib`` MiB of
+random rows are written and read back in calls of ``--batch`` chunks:
+
+- ``tier``: `RedisTier.write` and `RedisTier.read` (values carry a header and
+  an ML64 checksum; reads are checked and copied into caller-given row
+  buffers), on asyncio, the tier's worker threads doing the I/O;
+- ``raw``: the tier's own redis-py client (same connection pool, same socket
+  settings), one pipeline of plain SET or GET of the bare rows per batch, the
+  way the tier pipelines them: what Python can do with this client at all;
+- ``raw-asyncio``: the same pipelines on redis-py's asyncio client, for
+  reference (the asyncio-only design the tier did not take).
+
+Each row is timed ``--repeat`` times, interleaved, and the best run counts
+(these machines are noisy). The figure that matters is the ratio, tier over
+raw, per direction and chunk size. Target: >= 0.7.
+
+    python bench/remote.py [--mib N] [--batch N] [--repeat N] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import anyio
+import numpy as np
+
+from tiering import make_offload_key
+from tiering.secondary import RemoteNamespace
+from tiering.secondary.redis import RedisTier
+
+CHUNK_SIZES = (256 << 10, 2 << 20)
+TARGET = 0.7
+
+
+def free_port() -> int:
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port != 6379:
+            return port
+
+
+@contextmanager
+def redis_server() -> Iterator[int]:
+    """A throw-away redis-server on a free loopback port; yields the port."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        sys.exit("redis-server is not installed (Debian: apt-get install redis-server)")
+    with tempfile.TemporaryDirectory(prefix="tiering-bench-redis-") as tmp:
+        port = free_port()
+        command = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+        proc = subprocess.Popen(
+            [*command, "--appendonly", "no", "--dir", tmp],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    with socket.create_connection(("127.0.0.1", port), timeout=1) as conn:
+                        conn.sendall(b"PING\r\n")
+                        if conn.recv(16).startswith(b"+PONG"):
+                            break
+                except OSError:
+                    pass
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    sys.exit(f"redis-server did not start on port {port}")
+                time.sleep(0.05)
+            yield port
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def batches(n: int, batch: int) -> list[range]:
+    return [range(i, min(n, i + batch)) for i in range(0, n, batch)]
+
+
+async def timed(fn: Callable[[], Awaitable[None]]) -> float:
+    start = time.perf_counter()
+    await fn()
+    return time.perf_counter() - start
+
+
+async def run_size(port: int, chunk: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    import redis.asyncio
+
+    n = max(args.batch, (args.mib << 20) // chunk)
+    namespace = RemoteNamespace(
+        model="bench", dtype="bfloat16", row_bytes=chunk, blocks_per_chunk=1
+    )
+    rng = np.random.default_rng(chunk)
+    distinct = [rng.integers(0, 256, chunk, dtype=np.uint8) for _ in range(8)]
+    rows = [memoryview(distinct[i % 8]) for i in range(n)]
+    keys = [make_offload_key(i.to_bytes(8, "big") + os.urandom(8)) for i in range(n)]
+    raw_keys = [b"bench:raw:" + bytes(k).hex().encode() for k in keys]
+    buffers = [memoryview(np.empty(chunk, dtype=np.uint8)) for _ in range(args.batch)]
+    url = f"redis://127.0.0.1:{port}/0"
+    parts = batches(n, args.batch)
+    timeout = max(10.0, 8 * args.batch * chunk / 50e6)
+
+    async with RedisTier(url, namespace, timeout_s=timeout, cluster=False) as tier:
+        await tier.connect()
+        client = tier.sync_client()
+        aclient = redis.asyncio.Redis.from_url(
+            url, socket_timeout=timeout, socket_read_size=256 << 10
+        )
+        ok = True
+
+        async def tier_write() -> None:
+            nonlocal ok
+            for part in parts:
+                ok &= await tier.write([(keys[i], rows[i]) for i in part]) == len(part)
+
+        async def tier_read() -> None:
+            nonlocal ok
+            for part in parts:
+                got = await tier.read([(keys[i], buffers[j]) for j, i in enumerate(part)])
+                ok &= all(got)
+
+        def raw_write_sync() -> None:
+            for part in parts:
+                pipe = client.pipeline(transaction=False)
+                for i in part:
+                    pipe.set(raw_keys[i], rows[i])
+                pipe.execute()
+
+        def raw_read_sync() -> None:
+            for part in parts:
+                pipe = client.pipeline(transaction=False)
+                for i in part:
+                    pipe.get(raw_keys[i])
+                pipe.execute()
+
+        async def raw_write() -> None:
+            await anyio.to_thread.run_sync(raw_write_sync)
+
+        async def raw_read() -> None:
+            await anyio.to_thread.run_sync(raw_read_sync)
+
+        async def async_write() -> None:
+            for part in parts:
+                pipe = aclient.pipeline(transaction=False)
+                for i in part:
+                    pipe.set(raw_keys[i], rows[i])
+                await pipe.execute()
+
+        async def async_read() -> None:
+            for part in parts:
+                pipe = aclient.pipeline(transaction=False)
+                for i in part:
+                    pipe.get(raw_keys[i])
+                await pipe.execute()
+
+        cases = {
+            ("tier", "write"): tier_write,
+            ("raw", "write"): raw_write,
+            ("raw-asyncio", "write"): async_write,
+            ("tier", "read"): tier_read,
+            ("raw", "read"): raw_read,
+            ("raw-asyncio", "read"): async_read,
+        }
+        best = dict.fromkeys(cases, float("inf"))
+        for _ in range(args.repeat):
+            for case, fn in cases.items():
+                best[case] = min(best[case], await timed(fn))
+        await aclient.aclose()
+        # One more checked read: what the tier returns is what was written.
+        sample = await tier.read([(keys[0], buffers[0])])
+        ok &= sample == [True] and bytes(buffers[0]) == bytes(rows[0])
+        stats = tier.statistics()
+        await anyio.to_thread.run_sync(client.flushall)
+
+    out = []
+    for (client_name, direction), seconds in best.items():
+        raw = best[("raw", direction)]
+        out.append(
+            {
+                "client": client_name,
+                "direction": direction,
+                "chunk_bytes": chunk,
+                "chunks": n,
+                "batch": args.batch,
+                "seconds": seconds,
+                "gb_per_s": n * chunk / seconds / 1e9,
+                "chunks_per_s": n / seconds,
+                "ratio_to_raw": raw / seconds,
+                "verified": ok and stats.rejected_total == 0 and stats.errors_total == 0,
+            }
+        )
+    return out
+
+
+async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    with redis_server() as port:
+        for chunk in CHUNK_SIZES:
+            rows += await run_size(port, chunk, args)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mib", type=int, default=128, help="MiB written per chunk size")
+    parser.add_argument("--batch", type=int, default=16, help="chunks per call")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    rows = anyio.run(main_async, args)
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+        return
+    print(f"{'chunk':>8} {'direction':>9} {'client':>12} {'GB/s':>7} {'chunks/s':>9} {'ratio':>6}")
+    for row in rows:
+        size = f"{row['chunk_bytes'] >> 10} KiB"
+        print(
+            f"{size:>8} {row['direction']:>9} {row['client']:>12} {row['gb_per_s']:7.3f} "
+            f"{row['chunks_per_s']:9.0f} {row['ratio_to_raw']:6.2f}"
+        )
+    tier = [r for r in rows if r["client"] == "tier"]
+    worst = min(r["ratio_to_raw"] for r in tier)
+    verdict = "met" if worst >= TARGET else "MISSED"
+    print(
+        f"tier/raw worst ratio {worst:.2f} (target {TARGET}: {verdict}); verified: "
+        f"{all(r['verified'] for r in tier)}"
+    )
+
+
+if __name__ == "__main__":
+    main()

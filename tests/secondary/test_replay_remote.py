@@ -1,0 +1,95 @@
+"""`tiering replay --remote`: engines in separate processes share chunks through real Redis."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .conftest import RedisClusterRig, RedisServer
+
+# A tier far smaller than the workload's reuse: most hits of the second run
+# must come from the remote tier, verified byte for byte.
+REPLAY = [
+    "replay", "--workload", "chat", "--requests", "300", "--capacity-tokens", "20480",
+    "--bytes-per-token", "16", "--verify", "--json",
+]  # fmt: skip
+
+
+def replay(url: str, *extra: str, timeout: float = 120) -> dict[str, Any]:
+    """One `tiering replay` in its own process (its own CPU tier); its JSON summary."""
+    done = subprocess.run(
+        [sys.executable, "-m", "tiering", *REPLAY, "--remote", url, *extra],
+        capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    summary: dict[str, Any] = json.loads(done.stdout)
+    return summary
+
+
+def check_shared(url: str) -> None:
+    first = replay(url, "--remote-namespace", "shared")
+    assert first["remote_write_bytes"] > 0
+    assert (first["corrupt_chunks"], first["remote_errors"]) == (0, 0)
+    second = replay(url, "--remote-namespace", "shared")
+    assert second["remote_hit_blocks"] > first["remote_hit_blocks"]
+    assert second["hit_rate"] > first["hit_rate"]
+    assert (second["corrupt_chunks"], second["failed_jobs"], second["remote_errors"]) == (0, 0, 0)
+    # Another namespace shares nothing, though the keys are the same: like the
+    # first run, it only hits what it wrote itself.
+    other = replay(url, "--remote-namespace", "other")
+    assert other["remote_hit_blocks"] < second["remote_hit_blocks"]
+    assert other["corrupt_chunks"] == 0
+
+
+def test_a_second_process_hits_what_the_first_stored(redis_server: RedisServer) -> None:
+    check_shared(redis_server.url)
+
+
+def test_the_same_on_a_redis_cluster(redis_cluster: RedisClusterRig) -> None:
+    check_shared(redis_cluster.url)
+
+
+def test_redis_killed_mid_replay_and_restarted(own_redis_server: RedisServer) -> None:
+    url = own_redis_server.url
+    run = subprocess.Popen(
+        [sys.executable, "-m", "tiering", *REPLAY, "--requests", "4000", "--remote", url],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        client = own_redis_server.client()
+        deadline = time.monotonic() + 60
+        while client.dbsize() < 200:  # the replay is well under way
+            assert time.monotonic() < deadline, "the replay wrote nothing in a minute"
+            assert run.poll() is None, "the replay ended early"
+            time.sleep(0.05)
+        client.close()
+        own_redis_server.kill()
+        time.sleep(1.0)
+        own_redis_server.start()  # same port: the tier reconnects by itself
+        out, err = run.communicate(timeout=180)
+    finally:
+        run.kill()
+    assert run.returncode == 0, err
+    summary = json.loads(out)
+    assert summary["requests"] == 4000  # the replay completed
+    assert (summary["corrupt_chunks"], summary["failed_jobs"]) == (0, 0)
+    assert summary["remote_errors"] > 0  # the outage was counted, never hidden
+    after = replay(url)  # the tier is back for the next engine
+    assert after["remote_write_bytes"] > 0
+
+
+def test_a_wrong_password_is_one_clear_line(redis_acl_server: RedisServer, tmp_path: Path) -> None:
+    url = f"redis://default:wrong@127.0.0.1:{redis_acl_server.port}/0"
+    done = subprocess.run(
+        [sys.executable, "-m", "tiering", *REPLAY, "--remote", url],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert "wrong" not in lines[0]  # the password is never shown
+    assert str(redis_acl_server.port) in lines[0]

@@ -1,0 +1,166 @@
+"""RedisTier when Redis goes away, hangs or never was: misses, dropped writes, backoff, recovery."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+from tiering.secondary import RemoteNamespace
+from tiering.secondary.redis import RedisTier
+
+pytestmark = pytest.mark.anyio
+
+
+def items(keys: list[Any], arrays: list[np.ndarray]) -> list[tuple[Any, memoryview]]:
+    return [(k, memoryview(a)) for k, a in zip(keys, arrays, strict=True)]
+
+
+async def test_killed_mid_run_then_restarted_on_the_same_port(
+    own_redis_server: Any, namespace: RemoteNamespace, chunks: Any
+) -> None:
+    keys, rows = chunks.keys(4), chunks.rows(4)
+    async with RedisTier(own_redis_server.url, namespace, backoff_s=(0.02, 0.1)) as tier:
+        assert await tier.write(items(keys, rows)) == 4
+        own_redis_server.kill()
+
+        assert await tier.contains(keys) == [False] * 4
+        s = tier.statistics()
+        assert (s.state, s.errors_total, s.misses_total) == ("down", 1, 4)
+        assert s.last_error is not None
+        assert s.last_error.startswith("ConnectionError")
+
+        # Until the retry time, calls are answered at once: misses, dropped writes.
+        buffers = chunks.buffers(4)
+        assert await tier.write(items(keys, rows)) == 0
+        assert await tier.read(items(keys, buffers)) == [False] * 4
+        assert not any(b.any() for b in buffers)
+        s = tier.statistics()
+        assert s.write_errors_total == 4
+        assert s.read_misses_total == 4
+        assert s.errors_total + s.unavailable_total == 3  # each call failed once, one way
+
+        own_redis_server.start()  # same port, empty (no persistence)
+        with anyio.fail_after(20):
+            while await tier.write(items(keys, rows)) != 4:
+                await anyio.sleep(0.01)
+        s = tier.statistics()
+        assert (s.state, s.reconnects_total) == ("up", 1)
+        assert await tier.read(items(keys, buffers)) == [True] * 4
+        assert all(np.array_equal(r, b) for r, b in zip(rows, buffers, strict=True))
+
+
+async def test_while_down_calls_do_no_io_until_the_retry_time(
+    own_redis_server: Any, namespace: RemoteNamespace, chunks: Any
+) -> None:
+    keys, rows = chunks.keys(2), chunks.rows(2)
+    async with RedisTier(own_redis_server.url, namespace, backoff_s=(60.0, 120.0)) as tier:
+        assert await tier.contains(keys) == [False, False]
+        own_redis_server.kill()
+        assert await tier.contains(keys) == [False, False]
+        before = tier.statistics()
+        assert (before.state, before.errors_total) == ("down", 1)
+        own_redis_server.start()  # back, but the tier waits for its retry time
+        start = time.monotonic()
+        for _ in range(20):
+            assert await tier.contains(keys) == [False, False]
+            assert await tier.write(items(keys, rows)) == 0
+        assert time.monotonic() - start < 5  # no connect, no timeout: answered at once
+        after = tier.statistics()
+        assert after.unavailable_total == before.unavailable_total + 40
+        assert after.round_trips_total == before.round_trips_total
+        assert after.errors_total == before.errors_total
+        assert after.state == "down"
+
+
+async def test_never_reachable_is_down_not_an_exception(
+    namespace: RemoteNamespace, chunks: Any, unused_port: int
+) -> None:
+    keys, rows = chunks.keys(2), chunks.rows(2)
+    url = f"redis://127.0.0.1:{unused_port}/0"
+    async with RedisTier(url, namespace, timeout_s=1.0, backoff_s=(60.0, 60.0)) as tier:
+        with anyio.fail_after(10):
+            assert await tier.write(items(keys, rows)) == 0
+            assert await tier.contains(keys) == [False, False]
+        s = tier.statistics()
+        assert (s.state, s.errors_total, s.unavailable_total, s.write_errors_total) == (
+            "down",
+            1,
+            1,
+            2,
+        )
+        assert s.last_error is not None
+        assert "Connection refused" in s.last_error
+        assert f"{unused_port}" in repr(tier)
+
+
+async def test_a_hung_server_times_out_and_the_buffers_stay_the_callers(
+    own_redis_server: Any, namespace: RemoteNamespace, chunks: Any
+) -> None:
+    keys, rows = chunks.keys(3), chunks.rows(3)
+    tier = RedisTier(own_redis_server.url, namespace, timeout_s=0.3, backoff_s=(0.02, 0.1))
+    async with tier:
+        assert await tier.write(items(keys, rows)) == 3
+        buffers = chunks.buffers(3)
+        own_redis_server.freeze()
+        try:
+            start = time.monotonic()
+            with anyio.fail_after(10):
+                assert await tier.read(items(keys, buffers)) == [False] * 3
+            assert time.monotonic() - start < 5
+            s = tier.statistics()
+            assert (s.state, s.timeouts_total, s.errors_total) == ("down", 1, 1)
+            assert s.last_error is not None
+            assert s.last_error.startswith("TimeoutError: ")  # the call's or the socket's
+        finally:
+            own_redis_server.thaw()
+        # The abandoned worker gets its replies now, and must not write them anywhere.
+        with anyio.fail_after(20):
+            while await tier.contains(keys) != [True] * 3:
+                await anyio.sleep(0.01)
+        assert not any(b.any() for b in buffers)
+        assert tier.statistics().reconnects_total == 1
+        assert await tier.read(items(keys, buffers)) == [True] * 3
+
+
+async def test_a_call_cancelled_from_outside_gives_the_buffers_back(
+    own_redis_server: Any, namespace: RemoteNamespace, chunks: Any
+) -> None:
+    keys, rows = chunks.keys(2), chunks.rows(2)
+    async with RedisTier(own_redis_server.url, namespace, timeout_s=30.0) as tier:
+        assert await tier.write(items(keys, rows)) == 2
+        buffers = chunks.buffers(2)
+        own_redis_server.freeze()
+        try:
+            with anyio.move_on_after(0.2) as scope:
+                await tier.read(items(keys, buffers))
+            assert scope.cancelled_caught
+        finally:
+            own_redis_server.thaw()
+        s = tier.statistics()
+        assert (s.state, s.errors_total, s.timeouts_total) == ("up", 0, 0)  # not a fault
+        assert await tier.read(items(keys, chunks.buffers(2))) == [True, True]
+        assert not any(b.any() for b in buffers)
+
+
+async def test_all_threads_busy_until_the_deadline_is_overload_not_an_outage(
+    redis_server: Any, namespace: RemoteNamespace, chunks: Any
+) -> None:
+    keys = chunks.keys(2)
+    async with RedisTier(redis_server.url, namespace, timeout_s=0.1, max_concurrency=1) as tier:
+        slots, _ = tier._limiters()  # white box: the one worker slot, held by "another call"
+        other_call = object()
+        await slots.acquire_on_behalf_of(other_call)
+        try:
+            with anyio.fail_after(10):
+                assert await tier.contains(keys) == [False, False]
+        finally:
+            slots.release_on_behalf_of(other_call)
+        s = tier.statistics()
+        assert (s.busy_total, s.state, s.errors_total, s.timeouts_total) == (1, "up", 0, 0)
+        assert s.round_trips_total == 0
+        assert await tier.contains(keys) == [False, False]  # and the next call goes through
+        assert tier.statistics().round_trips_total == 1

@@ -1,0 +1,252 @@
+"""RedisTier on a real standalone server: bytes, round trips, TTL, ACL, foreign values."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+from tiering._types import Medium
+from tiering.errors import ConfigError, ResourceClosedError, SpecError
+from tiering.secondary import ChunkCodec, Locality, RemoteNamespace, SecondaryTier
+from tiering.secondary.redis import RedisTier, redact_url
+
+pytestmark = pytest.mark.anyio
+
+
+def items(keys: list[Any], arrays: list[np.ndarray]) -> list[tuple[Any, memoryview]]:
+    return [(k, memoryview(a)) for k, a in zip(keys, arrays, strict=True)]
+
+
+def test_importing_the_package_does_not_import_redis() -> None:
+    import subprocess
+
+    code = "import sys, tiering.secondary; print('redis' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+async def test_write_contains_read_byte_for_byte_one_round_trip_each(
+    redis_server: Any, namespace: RemoteNamespace, chunks: Any
+) -> None:
+    keys, rows = chunks.keys(12), chunks.rows(12)
+    async with await RedisTier.open(redis_server.url, namespace) as tier:
+        assert isinstance(tier, SecondaryTier)
+        assert tier.cluster is False  # detected
+        assert (tier.medium, tier.locality, tier.name) == (Medium.STORAGE, Locality.REMOTE, "redis")
+        assert await tier.contains(keys) == [False] * 12
+        assert await tier.write(items(keys[:8], rows[:8])) == 8
+        assert await tier.contains(keys) == [True] * 8 + [False] * 4
+        buffers = chunks.buffers(12)
+        assert await tier.read(items(keys, buffers)) == [True] * 8 + [False] * 4
+        for row, buffer in zip(rows[:8], buffers, strict=False):
+            assert np.array_equal(row, buffer)
+        assert not any(b.any() for b in buffers[8:])
+        s = tier.statistics()
+        assert s.round_trips_total == 4  # one per call
+        assert (s.hits_total, s.misses_total, s.contains_calls) == (8, 16, 2)
+        assert (s.reads_total, s.read_misses_total, s.read_bytes_total) == (
+            8,
+            4,
+            8 * namespace.row_bytes,
+        )
+        assert (s.writes_total, s.write_bytes_total, s.write_errors_total) == (
+            8,
+            8 * namespace.row_bytes,
+            0,
+        )
+        assert (s.errors_total, s.rejected_total, s.state, s.last_error) == (0, 0, "up", None)
+        assert await tier.contains([]) == []
+        assert await tier.write([]) == 0
+        assert await tier.read([]) == []
+        assert "8 written" in repr(tier)
+        assert tier.statistics().round_trips_total == 4  # empty calls cost nothing
+        # What is stored is one plain string per chunk, under its hash-tagged key.
+        raw = redis_server.client()
+        remote = tier.codec.remote_key(keys[0])
+        assert raw.strlen(remote) == tier.codec.value_bytes(keys[0])
+        assert raw.pttl(remote) == -1  # no TTL unless asked
+
+
+async def test_large_batches_are_split_into_pipelines_of_max_batch(
+    redis_server: Any, namespace: RemoteNamespace, chunks: Any
+) -> None:
+    keys, rows = chunks.keys(10), chunks.rows(10)
+    async with RedisTier(redis_server.url, namespace, max_batch=4) as tier:
+        assert await tier.write(items(keys, rows)) == 10
+        buffers = chunks.buffers(10)
+        assert await tier.read(items(keys, buffers)) == [True] * 10
+        assert all(np.array_equal(r, b) for r, b in zip(rows, buffers, strict=True))
+        assert tier.statistics().round_trips_total == 6
+
+
+async def test_ttl_sets_an_expiry_on_every_value(
+    redis_server: Any, namespace: RemoteNamespace, chunks: Any
+) -> None:
+    keys, rows = chunks.keys(3), chunks.rows(3)
+    async with RedisTier(redis_server.url, namespace, ttl_s=60) as tier:
+        assert await tier.write(items(keys, rows)) == 3
+        raw = redis_server.client()
+        for key in keys:
+            assert 50_000 < raw.pttl(tier.codec.remote_key(key)) <= 60_000
+    async with RedisTier(redis_server.url, namespace, ttl_s=0.001) as tier:
+        assert await tier.write(items(keys[:1], rows[:1])) == 1
+        with anyio.fail_after(10):
+            while redis_server.client().exists(tier.codec.remote_key(keys[0])):
+                await anyio.sleep(0.01)
+        assert await tier.contains(keys[:1]) == [False]  # expired: a miss, not an error
+
+
+async def test_foreign_corrupted_and_wrong_type_values_are_rejected(
+    redis_server: Any, namespace: RemoteNamespace, chunks: Any
+) -> None:
+    keys, rows = chunks.keys(5), chunks.rows(5)
+    foreign = ChunkCodec(
+        RemoteNamespace(
+            model=namespace.model,
+            dtype="float8_e4m3",
+            row_bytes=namespace.row_bytes,
+            blocks_per_chunk=namespace.blocks_per_chunk,
+            namespace=namespace.namespace,
+        )
+    )
+    async with RedisTier(redis_server.url, namespace) as tier:
+        await tier.write(items(keys, rows))
+        raw = redis_server.client()
+        codec = tier.codec
+        raw.set(codec.remote_key(keys[0]), foreign.encode(keys[0], rows[0]))
+        raw.set(codec.remote_key(keys[1]), codec.encode(keys[4], rows[4]))  # valid, wrong key
+        value = bytearray(raw.get(codec.remote_key(keys[2])))
+        value[-7] ^= 0x01
+        raw.set(codec.remote_key(keys[2]), bytes(value))
+        raw.set(codec.remote_key(keys[3]), b"\x00" * 100)
+        raw.delete(codec.remote_key(keys[4]))
+        raw.rpush(codec.remote_key(keys[4]), b"a list, not a string")
+        buffers = chunks.buffers(5)
+        assert await tier.read(items(keys, buffers)) == [False] * 5
+        s = tier.statistics()
+        assert (s.rejected_total, s.reads_total, s.read_misses_total) == (5, 0, 0)
+        assert (s.errors_total, s.state) == (0, "up")  # a bad value is not a fault
+        for buffer, row in zip(buffers, rows, strict=True):
+            assert not np.array_equal(buffer, row)  # nothing foreign passed as a chunk
+
+
+async def test_works_with_an_acl_user_and_the_default_user_password(
+    redis_acl_server: Any, acl: dict[str, str], namespace: RemoteNamespace, chunks: Any
+) -> None:
+    user, password, default = acl["user"], acl["password"], acl["default"]
+    keys, rows = chunks.keys(2), chunks.rows(2)
+    port = redis_acl_server.port
+    for url in (
+        f"redis://{user}:{password}@127.0.0.1:{port}/0",
+        f"redis://:{default}@127.0.0.1:{port}/0",
+    ):
+        async with await RedisTier.open(url, namespace) as tier:
+            assert await tier.write(items(keys, rows)) == 2
+            buffers = chunks.buffers(2)
+            assert await tier.read(items(keys, buffers)) == [True, True]
+            assert np.array_equal(buffers[0], rows[0])
+            assert password not in repr(tier)
+            assert default not in tier.url
+
+
+@pytest.mark.parametrize(
+    ("userinfo", "shown"),
+    [("engine:wrong-password@", "redis://engine@"), ("", "redis://127.0.0.1"), (":nope@", "")],
+)
+async def test_wrong_credentials_are_one_clear_config_error(
+    redis_acl_server: Any, namespace: RemoteNamespace, userinfo: str, shown: str
+) -> None:
+    url = f"redis://{userinfo}127.0.0.1:{redis_acl_server.port}/0"
+    with pytest.raises(ConfigError) as caught:
+        await RedisTier.open(url, namespace)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith(
+        f"cannot open the Redis tier at redis://{userinfo.partition(':')[0]}"
+        + ("@" if userinfo.partition(":")[0] else "")
+        + f"127.0.0.1:{redis_acl_server.port}/0: the server refused the user name or password"
+    )
+    assert shown in message
+    assert "wrong-password" not in message
+    assert "nope" not in message
+
+
+async def test_an_unreachable_server_is_a_config_error_at_open(
+    namespace: RemoteNamespace, unused_port: int
+) -> None:
+    url = f"redis://u:pw@127.0.0.1:{unused_port}/0"
+    with anyio.fail_after(30), pytest.raises(ConfigError, match=r"cannot reach the Redis tier at"):
+        await RedisTier.open(url, namespace, timeout_s=1.0)
+
+
+def test_urls_and_options_are_checked(namespace: RemoteNamespace) -> None:
+    with pytest.raises(ConfigError, match="redis:// or rediss://"):
+        RedisTier("http://127.0.0.1:1/", namespace)
+    with pytest.raises(ConfigError, match="yes, no or auto"):
+        RedisTier("redis://127.0.0.1:1/?cluster=maybe", namespace)
+    with pytest.raises(ConfigError, match="contradicts"):
+        RedisTier("redis://127.0.0.1:1/?cluster=no", namespace, cluster=True)
+    assert RedisTier("redis://127.0.0.1:1/?cluster=yes", namespace).cluster is True
+    assert RedisTier("rediss://127.0.0.1:1/0?cluster=auto", namespace).cluster is None
+    for option in ("timeout_s", "connect_timeout_s"):
+        with pytest.raises(ConfigError, match=option):
+            RedisTier("redis://127.0.0.1:1", namespace, **{option: 0})
+    with pytest.raises(ConfigError, match="ttl_s"):
+        RedisTier("redis://127.0.0.1:1", namespace, ttl_s=0)
+    with pytest.raises(ConfigError, match="max_batch"):
+        RedisTier("redis://127.0.0.1:1", namespace, max_batch=0)
+    assert (
+        redact_url("rediss://user:secret@host:6380/2?password=x&ssl_cert_reqs=none")
+        == "rediss://user@host:6380/2"
+    )
+    assert redact_url("redis://:secret@[::1]:7000") == "redis://[::1]:7000"
+
+
+async def test_misuse_raises_and_close_is_idempotent(
+    redis_server: Any, namespace: RemoteNamespace, chunks: Any
+) -> None:
+    keys = chunks.keys(1)
+    tier = RedisTier(redis_server.url, namespace)
+    with pytest.raises(SpecError, match="writable"):
+        await tier.read([(keys[0], memoryview(bytes(namespace.row_bytes)))])
+    with pytest.raises(SpecError, match="one contiguous row"):
+        await tier.write([(keys[0], b"too short")])
+    s = tier.statistics()
+    assert (s.read_calls, s.write_calls, s.round_trips_total) == (0, 0, 0)
+    await tier.aclose()
+    await tier.aclose()
+    assert tier.statistics().state == "closed"
+    with pytest.raises(ResourceClosedError):
+        await tier.contains(keys)
+
+
+async def test_an_abandoned_call_touches_no_buffer(
+    redis_server: Any, namespace: RemoteNamespace, chunks: Any
+) -> None:
+    # White box: the worker thread of a call that timed out or was cancelled finds
+    # the call's guard abandoned before each row, and stops without copying it.
+    from tiering.secondary.redis.wire import Guard
+
+    keys, rows = chunks.keys(3), chunks.rows(3)
+    async with RedisTier(redis_server.url, namespace) as tier:
+        assert await tier.write(items(keys, rows)) == 3
+        wire = tier._wire
+        buffers = chunks.buffers(3)
+        read_rows = [
+            (k, tier.codec.remote_key(k), memoryview(b)) for k, b in zip(keys, buffers, strict=True)
+        ]
+        guard = Guard()
+        guard.abandon()
+        answer = await anyio.to_thread.run_sync(wire.run, wire.read, guard, read_rows)
+        assert answer.values == [None] * 3
+        assert not any(b.any() for b in buffers)
+        write_rows = [
+            (k, tier.codec.remote_key(k), memoryview(r)) for k, r in zip(keys, rows, strict=True)
+        ]
+        answer = await anyio.to_thread.run_sync(wire.run, wire.write, guard, write_rows)
+        assert answer.values == [None] * 3
+        assert await tier.read(items(keys, buffers)) == [True] * 3  # the pool is still sound

@@ -1,0 +1,227 @@
+"""The contract of a secondary tier: a store below the CPU tier, maybe shared, maybe remote.
+
+The engine uses a secondary tier two ways:
+
+- *cascade* (write-through): once a chunk's store to the CPU tier has landed,
+  its row is handed to `SecondaryTier.write` in the background;
+- *promotion*: a lookup that misses the CPU tier asks `SecondaryTier.contains`
+  about the missing keys (one round trip for the whole request), then
+  `SecondaryTier.read` copies the hits into freshly allocated CPU rows.
+
+What every implementation guarantees:
+
+- **Expected outcomes are return values.** A missing chunk, a value that fails
+  a check (`~tiering.secondary.codec.Verdict`), a store that is down or too
+  slow: misses (``False``), or fewer chunks written, all counted in
+  `SecondaryStatistics`. Only programming errors raise: a buffer of the wrong
+  size, a read-only read buffer (`SpecError`), a call after `aclose`
+  (`ResourceClosedError`).
+- **Nothing waits forever.** Every call ends within the tier's timeout (plus
+  scheduling); a call that runs out of time is a failure like any other.
+- **Batched.** A call is one round trip to the store for the whole batch (one
+  per node on a cluster), split only past the tier's batch limits.
+- **Buffers are the caller's again when a call returns**, whatever happened:
+  no byte of a read buffer is written, and no byte of a write payload is read,
+  after the call has returned or been cancelled.
+- **Values are self-checking** (`~tiering.secondary.codec.ChunkCodec`): a value
+  written by an engine whose bytes differ, under another key, truncated or
+  corrupted is never copied into a buffer.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any
+
+import msgspec
+
+from tiering._types import Medium, OffloadKey
+from tiering.secondary.codec import ChunkCodec, RemoteNamespace, Verdict
+
+__all__ = [
+    "Locality",
+    "ReadItem",
+    "SecondaryStatistics",
+    "SecondaryTier",
+    "TierCounters",
+    "WriteItem",
+]
+
+#: A chunk to write: its key and its row (``row_bytes`` bytes, any contiguous buffer).
+WriteItem = tuple[OffloadKey, memoryview | bytes]
+#: A chunk to read: its key and a writable buffer of exactly ``row_bytes`` bytes.
+ReadItem = tuple[OffloadKey, memoryview]
+
+
+class Locality(enum.StrEnum):
+    """Whether other engines may see what this tier holds (KV events carry it)."""
+
+    LOCAL = "LOCAL"
+    REMOTE = "REMOTE"
+
+
+class SecondaryStatistics(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """A snapshot of a secondary tier's counters. Every ``*_total`` only grows.
+
+    Keys (``hits_total``, ``misses_total``) count `SecondaryTier.contains`
+    answers; chunks (``reads_total``, ``read_misses_total``, ``rejected_total``)
+    count `SecondaryTier.read` outcomes; bytes are payload bytes (rows), not
+    headers. ``write_errors_total`` counts chunks handed to ``write`` that were
+    not written, whatever the reason (down, timeout, refused by the store).
+    ``unavailable_total`` counts calls answered at once, without I/O, because
+    the tier was down and not yet due for a retry. ``timeouts_total`` counts
+    calls that ran out of time (the call's deadline or a socket's); each is
+    also in ``errors_total``. ``busy_total`` counts calls that found every
+    worker thread of the tier busy until their deadline (overload, not a
+    fault: answered as misses, the tier stays up).
+    """
+
+    name: str
+    state: str  # "up", "down" or "closed"
+    contains_calls: int
+    hits_total: int
+    misses_total: int
+    read_calls: int
+    reads_total: int
+    read_misses_total: int
+    rejected_total: int
+    read_bytes_total: int
+    write_calls: int
+    writes_total: int
+    write_bytes_total: int
+    write_errors_total: int
+    errors_total: int
+    timeouts_total: int
+    unavailable_total: int
+    busy_total: int
+    reconnects_total: int
+    round_trips_total: int
+    last_error: str | None
+    last_rejection: str | None
+
+
+class TierCounters:
+    """The mutable counters behind `SecondaryStatistics`, updated on the event loop only."""
+
+    __slots__ = (
+        "busy_total",
+        "contains_calls",
+        "errors_total",
+        "hits_total",
+        "last_error",
+        "last_rejection",
+        "misses_total",
+        "read_bytes_total",
+        "read_calls",
+        "read_misses_total",
+        "reads_total",
+        "reconnects_total",
+        "rejected_total",
+        "round_trips_total",
+        "timeouts_total",
+        "unavailable_total",
+        "write_bytes_total",
+        "write_calls",
+        "write_errors_total",
+        "writes_total",
+    )
+
+    def __init__(self) -> None:
+        self.contains_calls = self.hits_total = self.misses_total = 0
+        self.read_calls = self.reads_total = self.read_misses_total = 0
+        self.rejected_total = self.read_bytes_total = 0
+        self.write_calls = self.writes_total = self.write_bytes_total = 0
+        self.write_errors_total = self.errors_total = self.timeouts_total = 0
+        self.unavailable_total = self.reconnects_total = self.round_trips_total = 0
+        self.busy_total = 0
+        self.last_error: str | None = None
+        self.last_rejection: str | None = None
+
+    def error(self, message: str) -> None:
+        self.errors_total += 1
+        self.last_error = message
+
+    def rejected(self, key: OffloadKey, verdict: Verdict) -> None:
+        self.rejected_total += 1
+        self.last_rejection = f"{verdict.value} for key {bytes(key).hex()}"
+
+    def snapshot(self, name: str, state: str) -> SecondaryStatistics:
+        fields: dict[str, Any] = {slot: getattr(self, slot) for slot in self.__slots__}
+        return SecondaryStatistics(name=name, state=state, **fields)
+
+
+class SecondaryTier(abc.ABC):
+    """A store of chunk rows below the CPU tier. Use from one event loop (asyncio or trio).
+
+    Also an async context manager that calls `aclose` on exit. Attributes:
+    ``name`` (``"redis"``, ``"memory"``), ``medium`` and ``locality`` (what KV
+    events say about chunks this tier holds), ``codec`` (the namespace, remote
+    keys and value format) and ``row_bytes`` (the size of every payload).
+    """
+
+    name: str
+    medium: Medium = Medium.STORAGE
+    locality: Locality = Locality.REMOTE
+    codec: ChunkCodec
+
+    @property
+    def namespace(self) -> RemoteNamespace:
+        return self.codec.namespace
+
+    @property
+    def row_bytes(self) -> int:
+        return self.codec.row_bytes
+
+    @abc.abstractmethod
+    async def contains(self, keys: Sequence[OffloadKey]) -> list[bool]:
+        """Which of ``keys`` the store holds now, co-indexed; one round trip for the batch.
+
+        A ``True`` is a hint, not a promise: the value may be evicted (or fail
+        its checks) before it is read. Down or too slow: all ``False``.
+        """
+
+    @abc.abstractmethod
+    async def write(self, items: Sequence[WriteItem]) -> int:
+        """Store each ``(key, row)``; return how many were written.
+
+        Rows are copied (with their header) before the call returns; a chunk
+        already there is overwritten (equal keys mean equal bytes). Chunks
+        not written are counted in ``write_errors_total``, never raised.
+        """
+
+    @abc.abstractmethod
+    async def read(self, items: Sequence[ReadItem]) -> list[bool]:
+        """Fill each ``(key, buffer)`` with the chunk's row; co-indexed ``True`` where filled.
+
+        ``False`` is a miss or a rejected value: that buffer's content is then
+        unspecified and must not be used. Raises `SpecError` for a buffer that
+        is read-only or not exactly ``row_bytes`` bytes.
+        """
+
+    @abc.abstractmethod
+    def statistics(self) -> SecondaryStatistics:
+        """A snapshot of the counters and the state; costs no I/O."""
+
+    @abc.abstractmethod
+    async def aclose(self) -> None:
+        """Release connections and buffers; idempotent. Later calls raise `ResourceClosedError`."""
+
+    async def __aenter__(self) -> SecondaryTier:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+
+def describe(exc: BaseException, limit: int = 200) -> str:
+    """One line about ``exc``: its type and message, cut to ``limit`` characters."""
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."

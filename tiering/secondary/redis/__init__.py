@@ -1,0 +1,371 @@
+"""A shared secondary tier on Redis (or Valkey), standalone or Redis Cluster.
+
+Needs the ``redis`` extra (redis-py). redis-py is imported when a `RedisTier`
+first connects, never on ``import tiering``.
+
+Threading model, and why: the tier drives redis-py's *synchronous* client in
+worker threads (``anyio.to_thread.run_sync``, at most ``max_concurrency`` at
+once), not redis-py's asyncio client.
+
+- It works on asyncio *and* trio, like the rest of the engine; redis-py's
+  asyncio client is asyncio-only.
+- The per-chunk CPU work (parsing a multi-megabyte reply, the header and the
+  checksum of every value, the copy into the caller's row) runs in the worker
+  thread, off the event loop; the socket calls release the GIL. On the
+  asyncio client all of it would run on the loop, stalling every other
+  request for a millisecond or more per chunk.
+- Throughput is the client's own: ``bench/remote.py`` measures the tier
+  against raw pipelined SET/GET on the same client, and the asyncio client
+  beside them.
+
+The blocking half, and how a call is one round trip per node with values
+streamed, is `tiering.secondary.redis.wire`; this module is the async shell.
+
+Timeouts, faults and buffers: every socket operation has ``timeout_s``, and
+every call as a whole is abandoned after ``timeout_s`` (the worker thread may
+run on until its socket times out, but it never touches the caller's buffers
+after the call returned: each row is encoded or decoded under a per-call lock
+that the abandoning side takes). A connection error, a timeout or a cluster
+that is down takes the tier *down* (see `tiering.secondary.health`): calls
+then miss, writes are dropped and counted, without any I/O, until a probe
+finds the server again; retries back off exponentially. redis-py's own retries
+are turned off so that only this schedule applies. An error the server
+answers for one command (out of memory, a key of the wrong type) is counted
+and does not take the tier down.
+"""
+
+from __future__ import annotations
+
+import urllib.parse
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import anyio
+
+from tiering._types import OffloadKey
+from tiering.errors import ConfigError, ResourceClosedError
+from tiering.secondary.base import (
+    Locality,
+    ReadItem,
+    SecondaryStatistics,
+    SecondaryTier,
+    TierCounters,
+    WriteItem,
+)
+from tiering.secondary.codec import ChunkCodec, RemoteNamespace, Verdict, writable_row
+from tiering.secondary.health import Admission, HealthGate, TierState
+from tiering.secondary.redis.wire import Answer, Guard, RedisWire, Row, Work
+
+__all__ = ["RedisTier", "redact_url"]
+
+T = TypeVar("T")
+
+_SCHEMES = ("redis", "rediss")
+_TRUE = ("1", "yes", "true", "on")
+_FALSE = ("0", "no", "false", "off")
+
+
+def redact_url(url: str) -> str:
+    """``url`` without its password (nor its query, which may hold one)."""
+    parts = urllib.parse.urlsplit(url)
+    host = parts.netloc.rpartition("@")[2]
+    user = f"{parts.username}@" if parts.username else ""
+    return urllib.parse.urlunsplit((parts.scheme, user + host, parts.path, "", ""))
+
+
+def _split_cluster_option(url: str, cluster: bool | None) -> tuple[str, bool | None]:
+    """Take the ``cluster=yes|no|auto`` query option (ours, not redis-py's) out of ``url``."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in _SCHEMES:
+        raise ConfigError(
+            f"a Redis tier URL must start with redis:// or rediss://, got {redact_url(url)!r}"
+        )
+    query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+    kept = []
+    for name, value in query:
+        if name != "cluster":
+            kept.append((name, value))
+            continue
+        word = value.lower()
+        option = True if word in _TRUE else False if word in _FALSE else None
+        if option is None and word != "auto":
+            raise ConfigError(f"the URL option cluster must be yes, no or auto, got {value!r}")
+        if cluster is not None and option is not None and option != cluster:
+            raise ConfigError(
+                f"cluster={cluster} contradicts the URL option cluster={value} "
+                f"in {redact_url(url)!r}"
+            )
+        cluster = option if cluster is None else cluster
+    plain = urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(kept)))
+    return plain, cluster
+
+
+class RedisTier(SecondaryTier):
+    """A `SecondaryTier` on a Redis server or cluster. Works on asyncio and trio.
+
+    ``url``: ``redis://[user[:password]@]host[:port][/db]`` or ``rediss://``
+    (TLS; redis-py's ``ssl_*`` query options apply), with an optional
+    ``cluster=yes|no|auto`` query option. ``cluster``: ``None`` detects it
+    (``INFO cluster`` on connecting). ``ttl_s``: expire written values (``SET
+    ... PX``); capacity and eviction are otherwise the server's (``maxmemory``
+    and an LRU policy). ``timeout_s`` bounds every call and every socket
+    operation; ``connect_timeout_s`` (default: ``timeout_s``) each connect.
+    A call's keys go in pipelines of at most ``max_batch`` keys (one round trip each).
+    ``backoff_s`` is ``(first, longest)`` retry delay while the server is away.
+    At most ``max_concurrency`` calls run at once, each in a worker thread;
+    others wait for a thread within their timeout (one that waits it all out
+    is counted in ``busy_total`` and answered as misses; the tier stays up).
+
+    Constructing does no I/O; the first call connects. `open` connects now
+    and reports a wrong URL, credentials or server as `ConfigError`.
+    """
+
+    name = "redis"
+
+    def __init__(
+        self,
+        url: str,
+        namespace: RemoteNamespace,
+        *,
+        ttl_s: float | None = None,
+        timeout_s: float = 2.0,
+        connect_timeout_s: float | None = None,
+        cluster: bool | None = None,
+        max_batch: int = 1024,
+        max_concurrency: int = 8,
+        backoff_s: tuple[float, float] = (0.05, 5.0),
+        socket_read_size: int = 256 << 10,
+        locality: Locality = Locality.REMOTE,
+    ) -> None:
+        for label, value in (("timeout_s", timeout_s), ("connect_timeout_s", connect_timeout_s)):
+            if value is not None and not value > 0:
+                raise ConfigError(f"{label} must be a positive number of seconds, got {value!r}")
+        if ttl_s is not None and not ttl_s >= 0.001:
+            raise ConfigError(f"ttl_s must be None or at least 0.001 seconds, got {ttl_s!r}")
+        for label, number in (
+            ("max_batch", max_batch),
+            ("max_concurrency", max_concurrency),
+            ("socket_read_size", socket_read_size),
+        ):
+            if not isinstance(number, int) or number < 1:
+                raise ConfigError(f"{label} must be a positive integer, got {number!r}")
+        plain_url, cluster = _split_cluster_option(url, cluster)
+        #: The server's URL without its password: safe to log and show.
+        self.url = redact_url(url)
+        self.codec = ChunkCodec(namespace)
+        self.locality = locality
+        self.ttl_s = ttl_s
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s or timeout_s
+        self.max_batch = max_batch
+        self.max_concurrency = max_concurrency
+        self._health = HealthGate(backoff_s)
+        self._counters = TierCounters()
+        self._slots: anyio.CapacityLimiter | None = None  # calls in worker threads
+        self._threads: anyio.CapacityLimiter | None = None  # our own, not anyio's default
+        self._closed = False
+        self._wire = RedisWire(
+            plain_url,
+            self.url,
+            self.codec,
+            cluster=cluster,
+            timeout_s=timeout_s,
+            connect_timeout_s=self.connect_timeout_s,
+            socket_read_size=socket_read_size,
+            max_batch=max_batch,
+            ttl_s=ttl_s,
+        )
+
+    @classmethod
+    async def open(cls, url: str, namespace: RemoteNamespace, **options: Any) -> RedisTier:
+        """A tier connected and answering PING; `ConfigError` (one line, no password) if not."""
+        tier = cls(url, namespace, **options)
+        try:
+            await tier.connect()
+        except BaseException:
+            await tier.aclose()
+            raise
+        return tier
+
+    @property
+    def cluster(self) -> bool | None:
+        """Whether the server is a Redis Cluster (``None`` until the first connection tells)."""
+        return self._wire.cluster
+
+    @property
+    def state(self) -> TierState:
+        return TierState.CLOSED if self._closed else self._health.state
+
+    async def connect(self) -> None:
+        """Connect now (detecting a cluster) and PING; raise `ConfigError` naming what is wrong."""
+        self._check_open()
+        with anyio.move_on_after(self.timeout_s + self.connect_timeout_s) as scope:
+            await anyio.to_thread.run_sync(
+                self._wire.ping, abandon_on_cancel=True, limiter=self._limiters()[1]
+            )
+        if scope.cancelled_caught:
+            raise ConfigError(
+                f"cannot reach the Redis tier at {self.url}: no answer within {self.timeout_s} s"
+            )
+
+    def sync_client(self) -> Any:
+        """The redis-py client the tier uses (blocking: connects on first use).
+
+        For benchmarks and diagnostics; do not write under the tier's keys.
+        """
+        self._check_open()
+        return self._wire.client()
+
+    # -- the contract -----------------------------------------------------------
+
+    async def contains(self, keys: Sequence[OffloadKey]) -> list[bool]:
+        self._check_open()
+        c = self._counters
+        c.contains_calls += 1
+        if not keys:
+            return []
+        rows = [(k, self.codec.remote_key(k), None) for k in keys]
+        answer = await self._run(self._wire.contains, rows)
+        found = [bool(v) for v in answer.values] if answer is not None else [False] * len(keys)
+        hits = sum(found)
+        c.hits_total += hits
+        c.misses_total += len(found) - hits
+        return found
+
+    async def write(self, items: Sequence[WriteItem]) -> int:
+        self._check_open()
+        rows = [(k, self.codec.remote_key(k), _row(p, self.row_bytes)) for k, p in items]
+        c = self._counters
+        c.write_calls += 1
+        if not rows:
+            return 0
+        answer = await self._run(self._wire.write, rows)
+        written = sum(1 for v in answer.values if v) if answer is not None else 0
+        c.writes_total += written
+        c.write_bytes_total += written * self.row_bytes
+        c.write_errors_total += len(rows) - written
+        return written
+
+    async def read(self, items: Sequence[ReadItem]) -> list[bool]:
+        self._check_open()
+        rows = [(k, self.codec.remote_key(k), writable_row(b, self.row_bytes)) for k, b in items]
+        c = self._counters
+        c.read_calls += 1
+        if not rows:
+            return []
+        answer = await self._run(self._wire.read, rows)
+        verdicts = answer.values if answer is not None else [None] * len(rows)
+        filled = []
+        for (key, _, _), verdict in zip(rows, verdicts, strict=True):
+            if verdict is None:
+                c.read_misses_total += 1
+            elif verdict is Verdict.OK:
+                c.reads_total += 1
+                c.read_bytes_total += self.row_bytes
+            else:
+                c.rejected(key, verdict)
+            filled.append(verdict is Verdict.OK)
+        return filled
+
+    def statistics(self) -> SecondaryStatistics:
+        return self._counters.snapshot(self.name, self.state.value)
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._health.close()
+        with anyio.move_on_after(self.timeout_s):
+            await anyio.to_thread.run_sync(self._wire.close, abandon_on_cancel=True)
+
+    # -- the async shell --------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ResourceClosedError(f"{self!r} is closed")
+
+    def _limiters(self) -> tuple[anyio.CapacityLimiter, anyio.CapacityLimiter]:
+        if self._slots is None or self._threads is None:
+            self._slots = anyio.CapacityLimiter(self.max_concurrency)
+            self._threads = anyio.CapacityLimiter(self.max_concurrency)
+        return self._slots, self._threads
+
+    async def _run(
+        self,
+        work: Work[T],
+        rows: list[Row],
+    ) -> Answer[T] | None:
+        """Run ``work`` in a worker thread within the timeout, unless the tier is down."""
+        c = self._counters
+        admission = self._health.admit()
+        if admission is None:
+            c.unavailable_total += 1
+            return None
+        guard = Guard()
+        answer: Answer[T] | None = None
+        slots, threads = self._limiters()
+        started = False
+        try:
+            with anyio.move_on_after(self.timeout_s):
+                async with slots:
+                    started = True
+                    answer = await anyio.to_thread.run_sync(
+                        self._wire.run,
+                        work,
+                        guard,
+                        rows,
+                        abandon_on_cancel=True,
+                        limiter=threads,
+                    )
+        except BaseException:  # cancelled from outside: give the buffers back, then go
+            guard.abandon()
+            self._health.release(admission)
+            raise
+        if answer is None and not started:
+            # Every worker thread stayed busy for the whole timeout: the tier is
+            # overloaded, which says nothing about the server. Not a fault.
+            self._health.release(admission)
+            c.busy_total += 1
+            return None
+        if answer is None:
+            guard.abandon()
+            c.timeouts_total += 1
+            self._failed(admission, f"TimeoutError: no answer within {self.timeout_s} s")
+            return None
+        c.round_trips_total += answer.round_trips
+        for error in answer.errors:
+            c.error(error)
+        if answer.unavailable is not None:
+            c.timeouts_total += answer.timed_out
+            self._failed(admission, answer.unavailable)
+        elif self._health.succeeded(admission):
+            c.reconnects_total += 1
+        return answer
+
+    def _failed(self, admission: Admission, message: str) -> None:
+        self._counters.error(message)
+        self._health.failed(admission)
+
+    # -- the worker threads -----------------------------------------------------
+
+    def __repr__(self) -> str:
+        c = self._counters
+        kind = " cluster" if self._wire.cluster else ""
+        return (
+            f"<RedisTier [{self.state.value}; {self.url}{kind}; {c.hits_total} hits, "
+            f"{c.misses_total} misses, {c.reads_total} read, {c.writes_total} written, "
+            f"{c.write_errors_total} dropped, {c.rejected_total} rejected, "
+            f"{c.errors_total} errors]>"
+        )
+
+
+def _row(payload: Any, row_bytes: int) -> memoryview:
+    view = memoryview(payload)
+    if view.nbytes != row_bytes or not view.c_contiguous:
+        from tiering.errors import SpecError
+
+        raise SpecError(
+            f"a chunk payload must be one contiguous row of {row_bytes} bytes, "
+            f"got {view.nbytes} bytes{'' if view.c_contiguous else ', not contiguous'}"
+        )
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")

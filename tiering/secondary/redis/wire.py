@@ -1,0 +1,401 @@
+"""The worker-thread side of the Redis tier: redis-py's connections, streamed pipelines.
+
+Everything here blocks and runs in a worker thread (`RedisTier` calls it
+through ``anyio.to_thread``); nothing here touches the event loop or the
+tier's counters. A call's work fills an `Answer` that the async side reads.
+
+Pipelines, streamed, one round trip per node: a call's commands go out as one
+pipeline per node (of at most ``max_batch`` keys): every node is sent its
+commands before any reply is read, so a call is one round trip on a
+standalone server and one per node on a cluster (the slot map of redis-py's
+cluster client routes each key; keys carry a hash tag, so a chunk's keys
+share a slot). The wire drives redis-py's connections itself, instead of its
+``Pipeline``, to stream: a write frames each value (header, checksum and copy
+in one pass, into a buffer the thread reuses) just before sending it, so the
+server takes one value while the next is checksummed, and a read checks and
+copies each value as it arrives, while the next is in flight. A ``MOVED`` or
+``ASK`` reply (the cluster is resharding) is a miss, counted, and the slot map
+is refreshed before the next call.
+
+Buffers: each row is encoded or decoded under the call's `Guard`; once the
+async side has abandoned the call (timeout, cancellation), the thread stops
+before the next row and never touches a caller's buffer again.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+from tiering._types import OffloadKey
+from tiering.errors import ConfigError, ResourceClosedError
+from tiering.secondary.base import describe
+from tiering.secondary.codec import ChunkCodec, Verdict
+
+__all__ = ["Abandoned", "Answer", "Guard", "RedisWire", "Row", "Work"]
+
+T = TypeVar("T")
+
+_AUTH_WORDS = ("WRONGPASS", "NOAUTH", "invalid username-password", "invalid password")
+
+_LOCAL = threading.local()
+
+
+def _frame_buffer(size: int) -> memoryview:
+    """A buffer of at least ``size`` bytes, this thread's own, reused from call to call."""
+    buffer: bytearray | None = getattr(_LOCAL, "frame", None)
+    if buffer is None or len(buffer) < size:
+        buffer = _LOCAL.frame = bytearray(size)
+    return memoryview(buffer)
+
+
+class Guard:
+    """Who may touch the caller's buffers: the worker thread, until the call is abandoned."""
+
+    __slots__ = ("abandoned", "lock")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.abandoned = False
+
+    def abandon(self) -> None:
+        with self.lock:  # waits for at most one row being encoded or decoded
+            self.abandoned = True
+
+
+class Abandoned(Exception):
+    """The call was abandoned (timed out or cancelled): stop, touch no buffer."""
+
+
+#: One chunk of a call: its key, its remote key, and its row (``None`` for ``contains``).
+Row = tuple[OffloadKey, bytes, Any]
+
+
+class Answer(Generic[T]):
+    """What a worker thread did: a value per row (``None``: no answer), errors, trips."""
+
+    __slots__ = ("errors", "round_trips", "timed_out", "unavailable", "values")
+
+    def __init__(self, rows: int) -> None:
+        self.values: list[T | None] = [None] * rows
+        self.round_trips = 0
+        self.errors: list[str] = []
+        #: Why the store could not be reached, if it could not (the rest is unanswered).
+        self.unavailable: str | None = None
+        #: Whether that was a socket timing out.
+        self.timed_out = False
+
+
+#: What a call does in its thread: ``work(client, guard, answer, rows, batch)``.
+Work = Callable[[Any, Guard, "Answer[T]", list[Row], list[int]], None]
+
+
+class RedisWire:
+    """The blocking I/O of one `RedisTier`: its redis-py client and its calls. Thread-safe."""
+
+    def __init__(
+        self,
+        url: str,
+        shown_url: str,
+        codec: ChunkCodec,
+        *,
+        cluster: bool | None,
+        timeout_s: float,
+        connect_timeout_s: float,
+        socket_read_size: int,
+        max_batch: int,
+        ttl_s: float | None,
+    ) -> None:
+        self._url = url
+        self.url = shown_url
+        self.codec = codec
+        #: Whether the server is a Redis Cluster (``None`` until the first connection tells).
+        self.cluster = cluster
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.socket_read_size = socket_read_size
+        self.max_batch = max_batch
+        self.ttl_s = ttl_s
+        self._client: Any = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self._refresh_slots = False  # set when the cluster's slot map is stale
+
+    def client(self) -> Any:
+        """The redis-py client, built (and the server kind detected) on first use."""
+        with self._lock:
+            if self._closed:
+                raise ResourceClosedError(f"the Redis tier at {self.url} is closed")
+            if self._client is None:
+                self._client = self._build_client()
+            return self._client
+
+    def close(self) -> None:
+        """Close the client's connections; idempotent. Calls after this fail as closed."""
+        with self._lock:
+            self._closed = True
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+    def ping(self) -> None:
+        """Connect and PING; raise `ConfigError` naming what is wrong."""
+        errors = _errors()
+        try:
+            self.client().ping()
+        except (*errors.any, *errors.unavailable) as exc:
+            raise _config_error(self.url, exc, errors) from None
+
+    def run(
+        self,
+        work: Callable[[Any, Guard, Answer[T], list[Row], list[int]], None],
+        guard: Guard,
+        rows: list[Row],
+    ) -> Answer[T]:
+        errors = _errors()
+        answer: Answer[T] = Answer(len(rows))
+        try:
+            client = self.client()
+            if self.cluster and self._refresh_slots:
+                self._refresh_slots = False
+                client.nodes_manager.initialize()
+            for start in range(0, len(rows), self.max_batch):
+                batch = list(range(start, min(len(rows), start + self.max_batch)))
+                work(client, guard, answer, rows, batch)
+        except Abandoned:
+            pass  # nobody waits for this answer any more
+        except errors.unavailable as exc:
+            answer.unavailable = describe(exc)
+            answer.timed_out = isinstance(exc, errors.timeout)
+            self._refresh_slots = True
+        except errors.any as exc:
+            answer.errors.append(describe(exc))
+        except ResourceClosedError:
+            answer.unavailable = "ResourceClosedError: the tier was closed"
+        return answer
+
+    def exchange(
+        self,
+        client: Any,
+        answer: Answer[Any],
+        rows: list[Row],
+        batch: list[int],
+        send: Callable[[Any, list[int]], None],
+        receive: Callable[[int, Any], None],
+    ) -> None:
+        """One round trip per node: send each node its commands, then read every answer.
+
+        ``send(connection, positions)`` writes the commands of ``rows[positions]``;
+        ``receive(position, reply)`` takes each reply (a refusal is a
+        ``ResponseError`` instance) in order. A connection whose replies were
+        not all read is closed, never reused.
+        """
+        routes = self.route(client, rows, batch)
+        taken: list[tuple[Any, Any]] = []
+        read = 0
+        try:
+            for pool, positions in routes:
+                connection = pool.get_connection()
+                taken.append((pool, connection))
+                send(connection, positions)
+            answer.round_trips += len(routes)
+            refused = _errors().refused
+            for (_, connection), (_, positions) in zip(taken, routes, strict=True):
+                for position in positions:
+                    try:
+                        reply = connection.read_response()
+                    except refused as exc:
+                        reply = exc
+                    receive(position, reply)
+                read += 1
+        finally:
+            for i, (pool, connection) in enumerate(taken):
+                if i >= read:
+                    connection.disconnect()
+                pool.release(connection)
+
+    def route(self, client: Any, rows: list[Row], batch: list[int]) -> list[tuple[Any, list[int]]]:
+        """(connection pool, positions) per node that holds ``rows[batch]``."""
+        if not self.cluster:
+            return [(client.connection_pool, batch)]
+        groups: dict[str, tuple[Any, list[int]]] = {}
+        for position in batch:
+            node = client.get_node_from_key(rows[position][1])
+            group = groups.get(node.name)
+            if group is None:
+                pool = client.get_redis_connection(node).connection_pool
+                group = groups[node.name] = (pool, [])
+            group[1].append(position)
+        return list(groups.values())
+
+    def accepted(self, answer: Answer[Any], reply: Any) -> bool:
+        """False (and the refusal counted) when ``reply`` is the server refusing a command."""
+        if not isinstance(reply, BaseException):
+            return True
+        if isinstance(reply, _errors().unavailable):
+            raise reply  # CLUSTERDOWN and the like: the store as a whole is away
+        answer.errors.append(describe(reply))
+        if isinstance(reply, _errors().moved):
+            self._refresh_slots = True  # the slot map is stale: refresh it on the next call
+        return False
+
+    def contains(
+        self, client: Any, guard: Guard, answer: Answer[bool], rows: list[Row], batch: list[int]
+    ) -> None:
+        def send(connection: Any, positions: list[int]) -> None:
+            commands = [("EXISTS", rows[p][1]) for p in positions]
+            connection.send_packed_command(connection.pack_commands(commands), check_health=False)
+
+        def receive(position: int, reply: Any) -> None:
+            answer.values[position] = self.accepted(answer, reply) and reply == 1
+
+        self.exchange(client, answer, rows, batch, send, receive)
+
+    def write(
+        self, client: Any, guard: Guard, answer: Answer[bool], rows: list[Row], batch: list[int]
+    ) -> None:
+        argc, expiry = 3, b""
+        if self.ttl_s is not None:
+            ms = b"%d" % max(1, round(self.ttl_s * 1000))
+            argc, expiry = 5, b"$2\r\nPX\r\n$%d\r\n%s\r\n" % (len(ms), ms)
+
+        def send(connection: Any, positions: list[int]) -> None:
+            # Streamed: each value is framed and sent before the next is framed, so
+            # the server takes one while this thread checksums the next. The RESP
+            # frame (SET key value [PX ms]) is built around the value in a buffer
+            # this thread reuses (no allocation, no page faults per value), and the
+            # value is written into it in the same pass that checksums the row.
+            for p in positions:
+                key, remote, payload = rows[p]
+                size = self.codec.value_bytes(key)
+                head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (
+                    argc,
+                    len(remote),
+                    remote,
+                    size,
+                )
+                tail = b"\r\n" + expiry
+                frame = _frame_buffer(len(head) + size + len(tail))
+                frame[: len(head)] = head
+                with guard.lock:
+                    if guard.abandoned:
+                        raise Abandoned
+                    end = len(head) + self.codec.encode_into(key, payload, frame[len(head) :])
+                frame[end : end + len(tail)] = tail
+                connection.send_packed_command([frame[: end + len(tail)]], check_health=False)
+
+        def receive(position: int, reply: Any) -> None:
+            answer.values[position] = self.accepted(answer, reply) and reply == b"OK"
+
+        self.exchange(client, answer, rows, batch, send, receive)
+
+    def read(
+        self,
+        client: Any,
+        guard: Guard,
+        answer: Answer[Verdict],
+        rows: list[Row],
+        batch: list[int],
+    ) -> None:
+        def send(connection: Any, positions: list[int]) -> None:
+            commands = [("GET", rows[p][1]) for p in positions]
+            connection.send_packed_command(connection.pack_commands(commands), check_health=False)
+
+        def receive(position: int, reply: Any) -> None:
+            # Each value is checked and copied as it arrives, while the next is in flight.
+            if isinstance(reply, BaseException) and str(reply).startswith("WRONGTYPE"):
+                answer.values[position] = Verdict.BAD_MAGIC  # not a string: not ours
+            elif self.accepted(answer, reply) and reply is not None:
+                key, _, out = rows[position]
+                with guard.lock:
+                    if guard.abandoned:
+                        raise Abandoned
+                    answer.values[position] = self.codec.decode_into(key, reply, out)
+
+        self.exchange(client, answer, rows, batch, send, receive)
+
+    def _build_client(self) -> Any:
+        import redis
+        import redis.cluster
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        options: dict[str, Any] = {
+            "socket_timeout": self.timeout_s,
+            "socket_connect_timeout": self.connect_timeout_s,
+            "socket_read_size": self.socket_read_size,
+            "retry": Retry(NoBackoff(), 0),
+            "client_name": "tiering",
+        }
+        if not self.cluster:
+            client = redis.Redis.from_url(self._url, **options)
+            if self.cluster is False:
+                return client
+            try:
+                enabled = bool(client.info("cluster").get("cluster_enabled"))
+            except redis.exceptions.NoPermissionError:
+                enabled = False  # a user that may not run INFO: take it as standalone
+            except BaseException:
+                client.close()
+                raise
+            if not enabled:
+                self.cluster = False
+                return client
+            client.close()
+            self.cluster = True
+        return redis.cluster.RedisCluster.from_url(self._url, **options)
+
+
+class _RedisErrors:
+    """redis-py's exception classes, sorted by what they mean for the tier."""
+
+    def __init__(self) -> None:
+        from redis import exceptions as rx
+
+        #: The store is away: the tier goes down.
+        self.unavailable: tuple[type[BaseException], ...] = (
+            rx.ConnectionError,
+            rx.TimeoutError,
+            rx.ClusterError,
+            rx.ClusterDownError,
+            rx.SlotNotCoveredError,
+            rx.InvalidResponse,
+            rx.RedisClusterException,  # cannot build or refresh the cluster's slot map
+            OSError,
+        )
+        #: ... because a socket timed out.
+        self.timeout: tuple[type[BaseException], ...] = (rx.TimeoutError, TimeoutError)
+        #: Anything redis-py raises on purpose.
+        self.any: tuple[type[BaseException], ...] = (rx.RedisError,)
+        #: The server refused one command (its reply is an error).
+        self.refused: tuple[type[BaseException], ...] = (rx.ResponseError,)
+        #: ... because the cluster's slot map changed.
+        self.moved: tuple[type[BaseException], ...] = (rx.AskError, rx.TryAgainError)
+        self.auth: tuple[type[BaseException], ...] = (rx.AuthenticationError,)
+        self.permission: tuple[type[BaseException], ...] = (rx.NoPermissionError,)
+
+
+_ERRORS: _RedisErrors | None = None
+
+
+def _errors() -> _RedisErrors:
+    global _ERRORS
+    if _ERRORS is None:
+        _ERRORS = _RedisErrors()
+    return _ERRORS
+
+
+def _config_error(url: str, exc: BaseException, errors: _RedisErrors) -> ConfigError:
+    text = describe(exc)
+    if isinstance(exc, errors.auth) or any(w in str(exc) for w in _AUTH_WORDS):
+        return ConfigError(
+            f"cannot open the Redis tier at {url}: the server refused the user name or "
+            f"password ({text})"
+        )
+    if isinstance(exc, errors.permission):
+        return ConfigError(
+            f"cannot open the Redis tier at {url}: the user may not run the commands the tier "
+            f"needs: PING, EXISTS, GET, SET, INFO ({text})"
+        )
+    return ConfigError(f"cannot reach the Redis tier at {url}: {text}")
