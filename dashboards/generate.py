@@ -31,7 +31,7 @@ BY_LE = "instance, engine, direction, le"  # legend prefix: which engine of whic
 
 def legend(*parts: str) -> str:
     """A legend: the engine, then ``{{label}}`` for each label name, or the text of a word."""
-    words = [f"{{{{{p}}}}}" if p in ("direction", "outcome", "sink") else p for p in parts]
+    words = [f"{{{{{p}}}}}" if p in ("tier", "direction", "outcome", "sink") else p for p in parts]
     return " ".join([WHO, *words])
 
 
@@ -208,13 +208,14 @@ def panels() -> list[dict[str, Any]]:
         ),
         timeseries(
             "Lookup hit ratio",
-            "Chunk lookups that found a ready chunk, over all lookups (hit, pending, miss).",
+            "Chunk lookups that found a ready chunk, over all lookups (hit, pending, miss), "
+            "per tier: cpu, and remote (a secondary tier asked about CPU misses) if any.",
             targets(
                 (
-                    rate("tiering_lookups_total", "instance, engine", 'result="hit"')
+                    rate("tiering_lookups_total", "instance, engine, tier", 'result="hit"')
                     + " / "
-                    + rate("tiering_lookups_total", "instance, engine"),
-                    WHO,
+                    + rate("tiering_lookups_total", "instance, engine, tier"),
+                    legend("tier"),
                 )
             ),
             unit="percentunit",
@@ -236,11 +237,12 @@ def panels() -> list[dict[str, Any]]:
         row("Transfers"),
         timeseries(
             "Transfer throughput",
-            "Bytes moved per second by finished jobs: store is GPU to CPU, load is CPU to GPU.",
+            "Bytes moved per second by finished jobs: store is GPU to CPU, load is CPU to GPU; "
+            "for a remote tier, store is written through from CPU and load read back into it.",
             targets(
                 (
-                    rate("tiering_transfer_bytes_total", "instance, engine, direction"),
-                    legend("direction"),
+                    rate("tiering_transfer_bytes_total", "instance, engine, tier, direction"),
+                    legend("tier", "direction"),
                 ),
             ),
             unit="Bps",
@@ -271,11 +273,12 @@ def panels() -> list[dict[str, Any]]:
         timeseries(
             "Jobs/s by outcome",
             "ok, failed (a transfer error), cancelled (before any byte moved), "
-            "rejected (a store that found no room).",
+            "rejected (a store that found no room; remote: a write-through dropped, the "
+            "tier being behind). Remote series count chunks.",
             targets(
                 (
-                    rate("tiering_jobs_total", "instance, engine, direction, outcome"),
-                    legend("direction", "outcome"),
+                    rate("tiering_jobs_total", "instance, engine, tier, direction, outcome"),
+                    legend("tier", "direction", "outcome"),
                 ),
             ),
             axis="jobs/s",
@@ -285,9 +288,9 @@ def panels() -> list[dict[str, Any]]:
             "Transfer jobs that failed (a copy error in the backend), per interval.",
             targets(
                 (
-                    "sum by (instance, engine, direction) "
+                    "sum by (instance, engine, tier, direction) "
                     f'(increase(tiering_jobs_total{{outcome="failed", {SEL}}}[{RATE}]))',
-                    legend("direction"),
+                    legend("tier", "direction"),
                 )
             ),
             axis="jobs",

@@ -231,6 +231,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--replay-endpoint", metavar="E",
         help="serve replays of past event batches on this ZMQ endpoint (ROUTER)",
     )  # fmt: skip
+    rep.add_argument(
+        "--remote", metavar="URL",
+        help="a shared tier below the CPU tier: redis://[user:password@]host:port[/db] "
+        "or rediss://; a Redis Cluster is detected",
+    )  # fmt: skip
+    rep.add_argument(
+        "--remote-namespace", default="", metavar="NS",
+        help="share remote chunks only with engines of the same namespace (and model)",
+    )  # fmt: skip
     rep.add_argument("--json", action="store_true", help="print one JSON object")
     rep.set_defaults(run=_run_replay)
 
@@ -308,6 +317,8 @@ def _run_replay(args: argparse.Namespace) -> None:
         hold=args.hold,
         events_endpoint=args.events_endpoint,
         replay_endpoint=args.replay_endpoint,
+        remote=args.remote,
+        remote_namespace=args.remote_namespace,
     )
     result = run_replay(
         requests,
@@ -331,6 +342,9 @@ def _run_replay(args: argparse.Namespace) -> None:
         ("job latency", f"p50 {r.job_latency_p50_ms:.2f} ms, p99 {r.job_latency_p99_ms:.2f} ms"),
         ("failed jobs", f"{r.failed_jobs:,} (and {r.no_room_stores:,} stores found no room)"),
         ("corrupt chunks", f"{r.corrupt_chunks:,}" if args.verify else "not checked (--verify)"),
+        ("remote tier", f"{r.remote_hit_blocks:,} hit blocks, {r.remote_read_bytes / 1e9:.2f} GB "
+                        f"read, {r.remote_write_bytes / 1e9:.2f} GB written, {r.remote_errors:,} "
+                        "errors" if args.remote else "none (--remote)"),
         ("events", f"{r.events_published:,} published, {r.events_dropped:,} dropped"
                    if args.events_endpoint else "off (--events-endpoint)"),
         ("seconds", f"{r.seconds:.2f}"),

@@ -20,15 +20,17 @@ import enum
 import itertools
 import logging
 import time
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, Self
 
+import anyio.abc
 import anyio.lowlevel
 import msgspec
 import numpy as np
 import torch
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from tiering._types import OffloadKey
+from tiering._types import Medium, OffloadKey
 from tiering.config import DEFAULT_POLICY, OffloadingConfig
 from tiering.cpu.common import CPUOffloadingInfo
 from tiering.cpu.manager import (
@@ -50,6 +52,7 @@ from tiering.scheduler import (
     SchedulerStatistics,
     manager_job,
 )
+from tiering.secondary import RemoteNamespace, SecondaryStatistics, SecondaryTier, writable_row
 from tiering.specs import GPULoadStoreSpec, IntArray
 from tiering.transfer import (
     BACKEND_NAMES,
@@ -88,6 +91,7 @@ class EngineStatistics(msgspec.Struct, frozen=True, kw_only=True):
     backend: BackendStatistics | None
     pool: PoolStatistics | None
     events: EventStatistics | None = None  # None unless enable_kv_cache_events
+    secondary: SecondaryTierStatistics | None = None  # None without a secondary tier
 
 
 class _State(enum.Enum):
@@ -165,6 +169,7 @@ class _Events:
         self.scheduled = False
         self.endpoints: tuple[str, str | None] | None = None  # the publisher's, once bound
         self.lost = 0  # events that could not be translated (a bug): logged and counted
+        self._remote_translator: EventTranslator | None = None
         self._bus: EventBus | None = None
 
     @property
@@ -228,8 +233,176 @@ class _Events:
                 KVEventBatch(ts=time.time(), events=wire, data_parallel_rank=self.rank)
             )
 
+    def publish_remote(self, keys: Sequence[OffloadKey], medium: Medium, locality: str) -> None:
+        """Publish that ``keys`` were written to a lower tier (``locality`` on the events)."""
+        if self._remote_translator is None:
+            self._remote_translator = EventTranslator(
+                self.translator.tokens_per_chunk,
+                hash_format=self.translator.hash_format,
+                locality=locality,
+            )
+        wire = self._remote_translator.translate([ChunksStored(keys=tuple(keys), medium=medium)])
+        if wire and self._bus is not None:
+            self._bus.publish(
+                KVEventBatch(ts=time.time(), events=wire, data_parallel_rank=self.rank)
+            )
+
     def statistics(self) -> EventStatistics | None:
         return self._bus.statistics() if self._bus is not None else None
+
+
+class SecondaryTierStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    """The secondary tier as the engine uses it: its own counters, and the flows.
+
+    ``cascade_*`` count chunks written through after their CPU store
+    (``dropped``: not queued, the tier being behind; ``failed``: handed to the
+    tier and not written); ``promoted`` counts chunks read into the CPU tier,
+    ``promote_failed`` those the tier claimed but could not give.
+    """
+
+    tier: SecondaryStatistics
+    cascade_queued: int
+    cascade_written: int
+    cascade_dropped: int
+    cascade_failed: int
+    promoted: int
+    promote_failed: int
+
+
+class _Remote:
+    """The engine's side of a secondary tier: the bounded cascade and promotion.
+
+    Cascades run in one background task: a landed store pins its chunks (so no
+    eviction takes them while their rows are read) and queues them; when the
+    queue is full the chunks are dropped, counted and unpinned at once, so the
+    GPU path never waits for the secondary tier.
+    """
+
+    def __init__(self, tier: SecondaryTier, queue: int) -> None:
+        if isinstance(queue, bool) or not isinstance(queue, int) or queue < 1:
+            raise ConfigError(f"cascade_queue must be a positive integer, got {queue!r}")
+        self.tier = tier
+        self._queue = queue
+        self._send: MemoryObjectSendStream[tuple[Hashable, tuple[OffloadKey, ...], list[int]]]
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._jobs = itertools.count()
+        self.queued = self.written = self.dropped = self.failed = 0
+        self.promoted = self.promote_failed = 0
+
+    async def open(
+        self,
+        manager: CPUOffloadingManager,
+        row: Callable[[int], memoryview],
+        on_written: Callable[[Sequence[OffloadKey]], None],
+    ) -> None:
+        """Start the cascade task (in the opening task's task group: close from it too)."""
+        self._manager = manager
+        self._row = row
+        self._on_written = on_written
+        send, receive = anyio.create_memory_object_stream[
+            tuple[Hashable, tuple[OffloadKey, ...], list[int]]
+        ](self._queue)
+        self._send = send
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        self._tg.start_soon(self._cascade_worker, receive)
+
+    def cascade(self, keys: tuple[OffloadKey, ...], manager: CPUOffloadingManager) -> None:
+        job = ("cascade", next(self._jobs))
+        try:
+            spec = manager.prepare_load(keys, job=job, count=False)  # pinned while read
+        except ChunkStateError:
+            self.dropped += len(keys)  # evicted already (a tiny tier): nothing to write
+            return
+        try:
+            self._send.send_nowait((job, keys, spec.chunk_ids.tolist()))
+        except (anyio.WouldBlock, anyio.ClosedResourceError, anyio.BrokenResourceError):
+            manager.complete_load(job=job)
+            self.dropped += len(keys)
+        else:
+            self.queued += len(keys)
+
+    async def _cascade_worker(
+        self,
+        receive: MemoryObjectReceiveStream[tuple[Hashable, tuple[OffloadKey, ...], list[int]]],
+    ) -> None:
+        async with receive:
+            async for job, keys, chunk_ids in receive:
+                try:
+                    items = [(k, self._row(c)) for k, c in zip(keys, chunk_ids, strict=True)]
+                    written = await self.tier.write(items)
+                except Exception:
+                    logger.exception("secondary tier: a cascade write failed")
+                    written = 0
+                finally:
+                    self._manager.complete_load(job=job)  # unpin
+                self.written += written
+                self.failed += len(keys) - written
+                if written == len(keys):
+                    self._on_written(keys)
+
+    async def promote(self, keys: Sequence[OffloadKey], start: int) -> int:
+        manager = self._manager
+        candidates: list[OffloadKey] = []
+        for key in keys[start:]:
+            if manager.holds(key):
+                break  # in the CPU tier already (or being written): the run ends here
+            candidates.append(key)
+        if not candidates:
+            return 0
+        present = await self.tier.contains(candidates)
+        run = 0
+        while run < len(present) and present[run]:
+            run += 1
+        if not run:
+            return 0
+        output = manager.prepare_store(candidates[:run])
+        if output is None:
+            return 0  # no room in the CPU tier: the request recomputes
+        wanted = output.keys_to_store
+        ids = output.store_spec.chunk_ids.tolist()
+        items = [(k, self._row(c)) for k, c in zip(wanted, ids, strict=True)]
+        try:
+            found = await self.tier.read(items)
+        except BaseException:
+            manager.complete_store(wanted, success=False)
+            raise
+        good = 0
+        while good < len(found) and found[good]:
+            good += 1
+        manager.complete_store(wanted[:good], success=True)
+        manager.complete_store(wanted[good:], success=False)
+        self.promoted += good
+        self.promote_failed += len(wanted) - good
+        ready = 0
+        for key in keys[start:]:
+            if not manager.holds(key, ready=True):
+                break
+            ready += 1
+        return ready
+
+    async def aclose(self) -> None:
+        """Finish the queued cascades, then close the tier."""
+        try:
+            if self._tg is not None:
+                self._send.close()  # the worker writes what is queued, then ends
+                # Exited bare: a cancel scope around it would not be the task
+                # group's own, which anyio refuses.
+                await self._tg.__aexit__(None, None, None)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.tier.aclose()
+
+    def statistics(self) -> SecondaryTierStatistics:
+        return SecondaryTierStatistics(
+            tier=self.tier.statistics(),
+            cascade_queued=self.queued,
+            cascade_written=self.written,
+            cascade_dropped=self.dropped,
+            cascade_failed=self.failed,
+            promoted=self.promoted,
+            promote_failed=self.promote_failed,
+        )
 
 
 class TieringEngine:
@@ -244,6 +417,13 @@ class TieringEngine:
     ``max_load_slices``). ``engine_id`` names the engine in metrics.
     ``prefault`` maps the whole CPU tier at open (the memory is committed
     then, and no store pays a page fault later); ``False`` maps it lazily.
+
+    ``secondary`` adds a tier below this one (a `SecondaryTier`, or a function
+    that builds one from the engine's `RemoteNamespace`; ``remote_namespace``
+    names the deployment in it): chunks whose stores land are written to it in
+    the background (at most ``cascade_queue`` stores wait; past that they are
+    dropped and counted), and `promote` reads a request's chunks back from it.
+    The engine closes it; with one, close the engine from the task that opened it.
 
     With ``config.enable_kv_cache_events``, what the tier holds is published
     as KV cache events (vLLM's wire format): one batch per turn of the event
@@ -264,6 +444,9 @@ class TieringEngine:
         engine_id: str | None = None,
         prefault: bool = True,
         events: KVEventsConfig | None = None,
+        secondary: SecondaryTier | Callable[[RemoteNamespace], SecondaryTier] | None = None,
+        remote_namespace: str = "",
+        cascade_queue: int = 64,
     ) -> None:
         if isinstance(cpu_bytes, bool) or not isinstance(cpu_bytes, int) or cpu_bytes < 1:
             raise ConfigError(f"cpu_bytes must be a positive integer, got {cpu_bytes!r}")
@@ -313,7 +496,26 @@ class TieringEngine:
             block_bytes=self.layout.group_block_bytes,
             group_num_blocks=self.layout.group_num_blocks,
             limits=_limits(config, limits),
+            on_stored=self._cascade if secondary is not None else None,
         )
+        self._remote: _Remote | None = None
+        #: What makes this engine's chunk bytes interchangeable with another's.
+        self.namespace = RemoteNamespace.from_config(
+            config,
+            row_bytes=self.layout.row_bytes,
+            page_bytes=tuple(t.page_bytes for t in self.layout.tensors),
+            namespace=remote_namespace,
+        )
+        if secondary is not None:
+            if not isinstance(secondary, SecondaryTier):
+                secondary = secondary(self.namespace)
+            if secondary.row_bytes != self.layout.row_bytes:
+                raise ConfigError(
+                    f"the secondary tier holds rows of {secondary.row_bytes} bytes but this "
+                    f"engine's chunks are {self.layout.row_bytes} bytes; build its namespace "
+                    "from this engine's layout (RemoteNamespace.from_config)"
+                )
+            self._remote = _Remote(secondary, cascade_queue)
         self._prefault = prefault
         self._token: anyio.lowlevel.EventLoopToken | None = None
         self._closed: anyio.Event | None = None  # set once a close has finished
@@ -347,6 +549,8 @@ class TieringEngine:
             self._token = anyio.lowlevel.current_token()
             self._closed = anyio.Event()
             self.scheduler.open()
+            if self._remote is not None:
+                await self._remote.open(self.manager, self._row, self._events_for_remote)
         except BaseException:
             self._pool.close()
             if self._events is not None:
@@ -372,6 +576,8 @@ class TieringEngine:
             await self.scheduler.aclose()
         finally:
             try:
+                if self._remote is not None:  # before the pool: cascades read its rows
+                    await self._remote.aclose()
                 if self._pool is not None:
                     self._pool.close()
                 if self._events is not None:
@@ -466,6 +672,47 @@ class TieringEngine:
         """Return once no store submitted before still reads ``gpu_block_ids``."""
         await self.scheduler.flush(np.asarray(gpu_block_ids, dtype=np.int64))
 
+    # -- the secondary tier -----------------------------------------------------
+
+    @property
+    def secondary(self) -> SecondaryTier | None:
+        """The secondary tier below this one, if any."""
+        return self._remote.tier if self._remote is not None else None
+
+    def _row(self, chunk_id: int) -> memoryview:
+        """The host memory of chunk slot ``chunk_id``: one row of the pool."""
+        if self._pool is None:
+            raise ResourceClosedError("the host memory pool is not allocated")
+        row = self.layout.row_bytes
+        return writable_row(self._pool.tensor[chunk_id * row : (chunk_id + 1) * row].numpy(), row)
+
+    def _cascade(self, keys: tuple[OffloadKey, ...]) -> None:
+        """A store landed: queue its chunks for the secondary tier (the scheduler's hook)."""
+        if self._remote is not None and self._state is _State.OPEN:
+            self._remote.cascade(keys, self.manager)
+
+    async def promote(self, keys: Sequence[OffloadKey], start: int = 0) -> int:
+        """Bring the chunks after the first ``start`` of ``keys`` in from the secondary tier.
+
+        ``start`` is how many leading chunks the CPU tier already has (`lookup`'s
+        ``ready``). The chunks that follow and are in neither tier are asked
+        about in one round trip; the leading run the secondary tier holds is
+        read into fresh CPU slots (being written meanwhile: lookups say
+        pending, nothing evicts them). Returns how many leading chunks after
+        ``start`` are now ready in the CPU tier; 0 without a secondary tier.
+        """
+        self._check_open()
+        if self._remote is None:
+            return 0
+        return await self._remote.promote(keys, start)
+
+    def _events_for_remote(self, keys: Sequence[OffloadKey]) -> None:
+        """Publish that this engine wrote ``keys`` to the secondary tier."""
+        if self._events is not None and self._remote is not None and keys:
+            self._publish_events()  # the CPU tier's pending events go first, in order
+            tier = self._remote.tier
+            self._events.publish_remote(keys, tier.medium, str(tier.locality))
+
     # -- events ---------------------------------------------------------------
 
     def subscribe(self, max_batches: int = 1024) -> EventSubscription:
@@ -528,6 +775,7 @@ class TieringEngine:
             # the whole tier) is left out; `HostMemoryPool.resident_bytes` measures it.
             pool=self._pool.statistics(resident=False) if self._pool is not None else None,
             events=self._events.statistics() if self._events is not None else None,
+            secondary=self._remote.statistics() if self._remote is not None else None,
         )
 
     def __repr__(self) -> str:

@@ -100,6 +100,8 @@ FAMILIES: tuple[str, ...] = (
 UNDASHBOARDED: frozenset[str] = frozenset()
 
 TIER = "cpu"
+#: The ``tier`` label of the secondary tier's series (a shared store below the CPU tier).
+REMOTE_TIER = "remote"
 
 #: ``outcome`` label of ``tiering_jobs_total`` -> field of `DirectionStatistics`.
 _OUTCOMES = (
@@ -203,6 +205,7 @@ class MetricsCollector:
         families.add_direction("store", stats.scheduler.stores)
         families.add_direction("load", stats.scheduler.loads)
         families.add_events(getattr(stats, "events", None))
+        families.add_secondary(getattr(stats, "secondary", None))
         return iter(families.all())
 
     def __repr__(self) -> str:
@@ -332,6 +335,29 @@ class _Families:
             buckets.append((repr(float(bound)), total))
         buckets.append(("+Inf", sum(d.latency_buckets)))
         self.transfer_seconds.add_metric(labels, buckets, d.latency_seconds)
+
+    def add_secondary(self, remote: Any) -> None:
+        """The secondary tier, as ``tier="remote"`` series of the same families.
+
+        Bytes by direction (``store``: written through, ``load``: read back into
+        the CPU tier), lookups (``contains`` answers), write-through jobs by
+        outcome (``ok``, ``failed``: not written, ``rejected``: dropped for a
+        full queue) in chunks, and promotions as ``load`` outcomes.
+        """
+        if remote is None:
+            return
+        t = remote.tier
+        store = [self.engine_id, REMOTE_TIER, "store"]
+        load = [self.engine_id, REMOTE_TIER, "load"]
+        self.transfer_bytes.add_metric(store, t.write_bytes_total)
+        self.transfer_bytes.add_metric(load, t.read_bytes_total)
+        self.lookups.add_metric([self.engine_id, REMOTE_TIER, "hit"], t.hits_total)
+        self.lookups.add_metric([self.engine_id, REMOTE_TIER, "miss"], t.misses_total)
+        self.jobs.add_metric([*store, "ok"], remote.cascade_written)
+        self.jobs.add_metric([*store, "failed"], remote.cascade_failed)
+        self.jobs.add_metric([*store, "rejected"], remote.cascade_dropped)
+        self.jobs.add_metric([*load, "ok"], remote.promoted)
+        self.jobs.add_metric([*load, "failed"], remote.promote_failed)
 
     def add_events(self, events: Any) -> None:
         if events is None:

@@ -43,6 +43,7 @@ from tiering.engine import TieringEngine
 from tiering.errors import ChunkStateError, ConfigError
 from tiering.events import KVEventsConfig
 from tiering.scheduler import JobHandle, JobOutcome, JobResult
+from tiering.secondary import RemoteNamespace, SecondaryTier
 from tiering.simulate import requests_to_keys
 from tiering.specs import GPULoadStoreSpec
 from tiering.transfer import KVCacheTensor, KVLayout
@@ -66,6 +67,8 @@ class ReplayOptions(msgspec.Struct, frozen=True, kw_only=True):
     hold: float = 0.0  # seconds to stay up after the requests, the engine still open
     events_endpoint: str | None = None  # publish KV cache events there (ZMQ PUB)
     replay_endpoint: str | None = None  # and serve their replay there (ZMQ ROUTER)
+    remote: str | None = None  # a Redis URL: a shared tier below the CPU tier
+    remote_namespace: str = ""  # only engines with equal namespaces share chunks
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.hold) and self.hold >= 0):
@@ -116,6 +119,10 @@ class ReplayResult(msgspec.Struct, frozen=True, kw_only=True):
     seconds: float
     events_published: int  # KV cache events built (0 with events off)
     events_dropped: int  # events some sink or the manager's queue lost
+    remote_hit_blocks: int  # hits read from the remote tier (part of hit_blocks)
+    remote_read_bytes: int
+    remote_write_bytes: int
+    remote_errors: int  # failed remote calls and chunks not written
     capacity_chunks: int
     cpu_bytes: int
     policy: str
@@ -169,6 +176,7 @@ class _Tally:
     def __init__(self) -> None:
         self.done = self.blocks = self.hit_blocks = 0
         self.failed = self.no_room = self.corrupt = 0
+        self.remote_hit_blocks = 0
         self.stored_chunks = self.loaded_chunks = 0
         self.store_bytes = self.load_bytes = 0
         self.store_seconds = self.load_seconds = 0.0
@@ -235,6 +243,8 @@ async def replay(
         backend=options.backend,
         backend_options=backend_options,
         events=options.events,
+        secondary=_remote_tier(options.remote) if options.remote is not None else None,
+        remote_namespace=options.remote_namespace,
     )
     pages = _Pages(kv)
     tally = _Tally()
@@ -247,6 +257,10 @@ async def replay(
             keys = request_keys[index]
             blocks = region[: len(keys)]
             hits = engine.lookup(keys).ready
+            if remote and hits < len(keys):
+                promoted = await engine.promote(keys, hits)
+                tally.remote_hit_blocks += promoted
+                hits += promoted
             load: JobHandle | None = None
             if hits:
                 if options.verify:  # no key derives these bytes: a load that never lands shows
@@ -276,7 +290,13 @@ async def replay(
             if progress is not None:
                 progress(tally.done, len(request_keys), tally.hit_blocks, tally.blocks)
 
+    remote = options.remote is not None
     async with engine, contextlib.AsyncExitStack() as services:
+        if remote:
+            tier = engine.secondary
+            connect = getattr(tier, "connect", None)
+            if connect is not None:
+                await connect()  # a wrong URL or password: one clear error, now
         if on_open is not None:
             await services.enter_async_context(on_open(engine))
         start = time.perf_counter()
@@ -287,7 +307,9 @@ async def replay(
         stats = engine.manager.statistics()
         if options.hold:
             await anyio.sleep(options.hold)
-    events = engine.statistics().events  # after close: the last batch is counted
+    final = engine.statistics()  # after close: the last batch and writes are counted
+    events = final.events
+    remote_stats = final.secondary
     events_dropped = stats.events_dropped_total
     if events is not None:
         events_dropped += sum(sink.dropped_total for sink in events.sinks)
@@ -311,12 +333,33 @@ async def replay(
         seconds=seconds,
         events_published=events.events_total if events is not None else 0,
         events_dropped=events_dropped,
+        remote_hit_blocks=tally.remote_hit_blocks,
+        remote_read_bytes=remote_stats.tier.read_bytes_total if remote_stats else 0,
+        remote_write_bytes=remote_stats.tier.write_bytes_total if remote_stats else 0,
+        remote_errors=(
+            remote_stats.tier.errors_total + remote_stats.cascade_failed if remote_stats else 0
+        ),
         capacity_chunks=engine.manager.capacity,
         cpu_bytes=engine.manager.capacity * engine.layout.row_bytes,
         policy=options.policy,
         backend=engine.backend_name,
         concurrency=options.concurrency,
     )
+
+
+def _redis_tier_class() -> type[SecondaryTier]:
+    from tiering.secondary.redis import RedisTier  # redis-py: only when used
+
+    return RedisTier
+
+
+def _remote_tier(url: str) -> Callable[[RemoteNamespace], SecondaryTier]:
+    tier_class = _redis_tier_class()
+
+    def build(namespace: RemoteNamespace) -> SecondaryTier:
+        return tier_class(url, namespace)  # type: ignore[call-arg]
+
+    return build
 
 
 def _row_bytes(config: OffloadingConfig, kv: torch.Tensor) -> int:

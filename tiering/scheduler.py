@@ -361,8 +361,10 @@ class Scheduler:
     """Queues store and load jobs and runs them on a transfer backend.
 
     ``backend_factory`` is called once, at `open`, with the completion
-    callback the backend must call for every result. ``block_bytes[g]`` is the
-    size of one block of group ``g`` over all its tensors (for the budget).
+    callback the backend must call for every result. ``on_stored`` (if given)
+    is called with the keys of every store job that landed, once they are
+    ready. ``block_bytes[g]`` is the size of one block of group ``g`` over all
+    its tensors (for the budget).
     Must be used from one event loop; `open` and `aclose` bracket its life.
     """
 
@@ -375,8 +377,10 @@ class Scheduler:
         block_bytes: Sequence[int],
         group_num_blocks: Sequence[int],
         limits: SchedulerLimits | None = None,
+        on_stored: Callable[[tuple[OffloadKey, ...]], object] | None = None,
     ) -> None:
         self._manager = manager
+        self._on_stored = on_stored
         self._backend_factory = backend_factory
         self._backend: TransferBackend | None = None
         self._bpc = blocks_per_chunk
@@ -721,6 +725,11 @@ class Scheduler:
         self._dirs[job.kind].in_flight -= 1
         if job.kind is JobKind.STORE:
             self._manager.complete_store(job=manager_job(job.id), success=ok)
+            if ok and self._on_stored is not None:
+                try:
+                    self._on_stored(job.keys)
+                except Exception:  # the owner's hook: say so, never lose the job
+                    logger.exception("scheduler: on_stored hook failed for job %d", job.id)
         else:
             self._manager.complete_load(job=manager_job(job.id))
         self._finish(job, JobOutcome.SUCCEEDED if ok else JobOutcome.FAILED, error)

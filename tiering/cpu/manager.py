@@ -222,6 +222,12 @@ class CPUOffloadingManager:
         """Whether store job ``job`` was prepared and not completed yet."""
         return job in self._store_jobs
 
+    def holds(self, key: OffloadKey, *, ready: bool = False) -> bool:
+        """Whether ``key`` is in the tier (ready, or with ``ready=False`` also being
+        written); not counted as a lookup."""
+        chunk = self._chunks.get(key)
+        return chunk is not None and (not ready or chunk.pins != _WRITING)
+
     def lookup_prefix(self, keys: Iterable[OffloadKey]) -> int:
         """How many of ``keys``, from the first, are ready to load."""
         chunks = self._chunks
@@ -238,7 +244,7 @@ class CPUOffloadingManager:
     # -- loads ----------------------------------------------------------------
 
     def prepare_load(
-        self, keys: Sequence[OffloadKey], *, job: Hashable | None = None
+        self, keys: Sequence[OffloadKey], *, job: Hashable | None = None, count: bool = True
     ) -> CPULoadStoreSpec:
         """Pin ready chunks for reading; returns their slots, co-indexed with ``keys``.
 
@@ -246,6 +252,7 @@ class CPUOffloadingManager:
         and nothing is pinned). Pins are counted: each ``prepare_load`` needs one
         ``complete_load``. Passing a ``job`` id makes the completion idempotent:
         ``complete_load(job=...)`` then releases exactly this call's pins once.
+        ``count=False`` pins without counting a load (a copy to a lower tier).
         """
         keys = tuple(keys)  # walked twice: an iterator must not pin nothing
         chunks = self._chunks
@@ -271,7 +278,8 @@ class CPUOffloadingManager:
                 self._pinned += 1
                 self._busy.add(key)
             chunk.pins += 1
-        self._loaded += len(slots)
+        if count:
+            self._loaded += len(slots)
         return CPULoadStoreSpec.from_valid_ids(slots)
 
     def complete_load(

@@ -265,6 +265,11 @@ class EventTranslator:
     def hash_format(self) -> HashFormat:
         return self._format
 
+    @property
+    def tokens_per_chunk(self) -> tuple[int, ...]:
+        """Tokens of a chunk without `ChunkBlocks`, by KV-cache group."""
+        return self._tokens_per_chunk
+
     def _tokens_of(self, group: int) -> int:
         tokens = self._tokens_per_chunk
         return tokens[group] if group < len(tokens) else tokens[-1]

@@ -1,0 +1,213 @@
+"""A TieringEngine over a secondary tier: cascade, promotion, bounds and faults (MemoryTier)."""
+
+from __future__ import annotations
+
+import anyio
+import msgspec
+import pytest
+import torch
+
+from tiering import ConfigError
+from tiering.engine import TieringEngine
+from tiering.events import BlockStored, SequencedBatch
+from tiering.scheduler import JobOutcome
+from tiering.secondary import Locality, MemoryStore, MemoryTier, RemoteNamespace
+from tiering.specs import GPULoadStoreSpec
+
+from .test_engine import CHUNK_BYTES, config, keys, kv_caches
+
+pytestmark = pytest.mark.anyio
+
+
+def engine_over(
+    store: MemoryStore, *, chunks: int = 8, seed: int = 0, **kwargs: object
+) -> tuple[TieringEngine, dict[str, torch.Tensor]]:
+    kv = kv_caches()
+    if seed:
+        gen = torch.Generator().manual_seed(seed)
+        for t in kv.values():
+            t.copy_(torch.randint(-(2**62), 2**62, t.shape, generator=gen))
+    tiers: list[MemoryTier] = []
+
+    def build(namespace: RemoteNamespace) -> MemoryTier:
+        tiers.append(MemoryTier(namespace, store=store, locality=Locality.REMOTE))
+        return tiers[-1]
+
+    engine = TieringEngine(
+        kwargs.pop("cfg", config()),  # type: ignore[arg-type]
+        kv,
+        cpu_bytes=chunks * CHUNK_BYTES,
+        secondary=build,
+        **kwargs,  # type: ignore[arg-type]
+    )
+    return engine, kv
+
+
+async def settle(engine: TieringEngine, written: int) -> None:
+    """Wait until the cascade has written ``written`` chunks."""
+    with anyio.fail_after(10):
+        while True:
+            stats = engine.statistics().secondary
+            assert stats is not None
+            if stats.cascade_written + stats.cascade_failed >= written:
+                return
+            await anyio.sleep(0.01)
+
+
+async def test_a_second_engine_loads_what_the_first_wrote_through(anyio_backend: str) -> None:
+    store = MemoryStore()
+    first, kv_first = engine_over(store, seed=1)
+    async with first:
+        result = await (await first.submit_store(keys(1, 2, 3), GPULoadStoreSpec([0, 1, 2])))
+        assert result.success
+        await settle(first, 3)
+        stats = first.statistics().secondary
+        assert stats is not None
+        assert (stats.cascade_written, stats.cascade_dropped, stats.tier.writes_total) == (3, 0, 3)
+        assert first.manager.statistics().pinned == 0  # unpinned once written
+    second, kv_second = engine_over(store, seed=2)
+    async with second:
+        assert second.lookup(keys(1, 2, 3, 4)).ready == 0
+        assert await second.promote(keys(1, 2, 3, 4)) == 3  # one round trip for all four
+        assert second.lookup(keys(1, 2, 3, 4)).ready == 3
+        loaded = await (await second.submit_load(keys(1, 2, 3), GPULoadStoreSpec([10, 11, 12])))
+        assert loaded.success
+        for name in kv_second:
+            assert torch.equal(kv_second[name][10:13], kv_first[name][0:3])
+        stats = second.statistics().secondary
+        assert stats is not None
+        assert (stats.promoted, stats.tier.contains_calls, stats.tier.hits_total) == (3, 1, 3)
+        assert second.manager.statistics().loaded_total == 3  # the load, not the promotion
+
+
+async def test_promotion_starts_after_the_cpu_hits_and_stops_at_a_gap(anyio_backend: str) -> None:
+    store = MemoryStore()
+    first, _ = engine_over(store)
+    async with first:
+        assert (
+            await (await first.submit_store(keys(1, 2, 4), GPULoadStoreSpec([0, 1, 2])))
+        ).success
+        await settle(first, 3)
+    second, _ = engine_over(store)
+    async with second:
+        assert (await (await second.submit_store(keys(1), GPULoadStoreSpec([0])))).success
+        # 1 is in the CPU tier; 2 is remote; 3 is nowhere, so 4 cannot be a prefix hit.
+        assert await second.promote(keys(1, 2, 3, 4), start=1) == 1
+        assert second.lookup(keys(1, 2, 3, 4)).ready == 2
+        assert not second.manager.holds(keys(4)[0])
+
+
+async def test_a_slow_tier_drops_cascades_and_never_slows_stores(anyio_backend: str) -> None:
+    store = MemoryStore()
+    engine, _ = engine_over(store, chunks=16, cascade_queue=1)
+    async with engine:
+        remote = engine._remote
+        assert remote is not None
+        tier = remote.tier
+        assert isinstance(tier, MemoryTier)
+        tier.pause()  # writes wait (until the tier's timeout) as a slow store would
+        try:
+            for i in range(4):
+                result = await (await engine.submit_store(keys(i), GPULoadStoreSpec([i])))
+                assert result.success  # the GPU side does not wait for the tier
+            stats = engine.statistics().secondary
+            assert stats is not None
+            # One write runs, one waits in the queue, the other two are dropped.
+            assert stats.cascade_dropped == 2
+            assert engine.manager.statistics().pinned == 2  # held while they wait
+        finally:
+            tier.resume()
+        await settle(engine, 2)
+        assert engine.manager.statistics().pinned == 0
+
+
+async def test_a_chunk_being_written_through_is_not_evicted(anyio_backend: str) -> None:
+    engine, _ = engine_over(MemoryStore(), chunks=1)
+    async with engine:
+        remote = engine._remote
+        assert remote is not None
+        tier = remote.tier
+        assert isinstance(tier, MemoryTier)
+        tier.pause()
+        try:
+            assert (await (await engine.submit_store(keys(1), GPULoadStoreSpec([0])))).success
+            blocked = await (await engine.submit_store(keys(2), GPULoadStoreSpec([1])))
+            assert blocked.outcome is JobOutcome.NO_ROOM  # chunk 1 is pinned by its cascade
+        finally:
+            tier.resume()
+        await settle(engine, 1)
+        assert (await (await engine.submit_store(keys(2), GPULoadStoreSpec([1])))).success
+
+
+async def test_a_tier_that_is_down_misses_and_the_engine_serves_on(anyio_backend: str) -> None:
+    store = MemoryStore()
+    engine, _ = engine_over(store)
+    async with engine:
+        remote = engine._remote
+        assert remote is not None
+        tier = remote.tier
+        assert isinstance(tier, MemoryTier)
+        tier.set_available(False)
+        assert (await (await engine.submit_store(keys(1, 2), GPULoadStoreSpec([0, 1])))).success
+        await settle(engine, 2)
+        assert await engine.promote(keys(5, 6)) == 0
+        stats = engine.statistics().secondary
+        assert stats is not None
+        assert (stats.cascade_failed, stats.tier.state) == (2, "down")
+        assert engine.lookup(keys(1, 2)).ready == 2  # the CPU tier serves on
+
+
+async def test_writes_through_are_announced_as_remote(anyio_backend: str) -> None:
+    cfg = msgspec.structs.replace(config(), enable_kv_cache_events=True)
+    engine, _ = engine_over(MemoryStore(), cfg=cfg)
+    async with engine:
+        subscription = engine.subscribe()
+        assert (await (await engine.submit_store(keys(1), GPULoadStoreSpec([0])))).success
+        seen: list[BlockStored] = []
+        with anyio.fail_after(10):
+            while len(seen) < 2:
+                item = await subscription.__anext__()
+                assert isinstance(item, SequencedBatch)
+                seen += [e for e in item.batch.events if isinstance(e, BlockStored)]
+        assert [(e.medium, e.locality) for e in seen] == [("CPU", None), ("STORAGE", "REMOTE")]
+
+
+def test_a_tier_of_another_row_size_is_refused() -> None:
+    namespace = RemoteNamespace(model="m", dtype="int64", row_bytes=64, blocks_per_chunk=1)
+    with pytest.raises(ConfigError, match="rows of 64 bytes"):
+        TieringEngine(config(), kv_caches(), cpu_bytes=CHUNK_BYTES, secondary=MemoryTier(namespace))
+
+
+async def test_without_a_secondary_tier_promote_is_a_no_op(anyio_backend: str) -> None:
+    async with TieringEngine(config(), kv_caches(), cpu_bytes=4 * CHUNK_BYTES) as engine:
+        assert await engine.promote(keys(1, 2)) == 0
+        assert engine.statistics().secondary is None
+
+
+async def test_metrics_show_the_remote_tier(anyio_backend: str) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tiering.metrics import render_metrics
+
+    engine, _ = engine_over(MemoryStore())
+    async with engine:
+        assert (await (await engine.submit_store(keys(1, 2), GPULoadStoreSpec([0, 1])))).success
+        await settle(engine, 2)
+        assert await engine.promote(keys(3)) == 0
+        samples = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(render_metrics(engine).decode())
+            for s in family.samples
+        }
+
+    def value(name: str, **labels: str) -> float:
+        key = (
+            name,
+            tuple(sorted({"engine": engine.engine_id, "tier": "remote", **labels}.items())),
+        )
+        return samples[key]
+
+    row = engine.layout.row_bytes
+    assert value("tiering_transfer_bytes_total", direction="store") == 2 * row
+    assert value("tiering_jobs_total", direction="store", outcome="ok") == 2
+    assert value("tiering_lookups_total", result="miss") == 1
