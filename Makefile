@@ -42,6 +42,7 @@ bench: install
 	$(BIN)/python bench/transfer.py
 	$(BIN)/python bench/engine.py
 	$(BIN)/python bench/events.py
+	$(BIN)/python bench/remote.py
 
 # Regenerate dashboards/tiering.json; check and unit-test the alert rules where promtool is.
 dashboards: install
