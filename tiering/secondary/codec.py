@@ -252,6 +252,31 @@ class ChunkCodec:
         out[_HEADER.size + len(key_bytes) : start] = bytes(start - _HEADER.size - len(key_bytes))
         return end
 
+    def encode_header(self, key: OffloadKey, payload: Any) -> bytes:
+        """The bytes of the value of ``payload`` (one row) as chunk ``key`` before the row.
+
+        The value is these bytes followed by the row itself, unchanged: a
+        sender can send them and then the caller's row, without copying it
+        (the checksum is taken of ``payload`` now, in one read-only pass; if
+        the row changes before it is sent, the stored value fails its checksum
+        and is never loaded). Raises `SpecError` when the payload is not one row.
+        """
+        body = _payload_view(payload, self.row_bytes)
+        key_bytes = bytes(key)
+        if len(key_bytes) > 0xFFFF:
+            raise SpecError(f"a chunk key must be at most 65535 bytes, got {len(key_bytes)}")
+        digest = checksum_copy(self.checksum, body, None)
+        head = _HEADER.pack(
+            MAGIC,
+            FORMAT_VERSION,
+            self.checksum,
+            len(key_bytes),
+            digest,
+            self._digest,
+            body.nbytes,
+        )
+        return head + key_bytes + bytes(_padded(len(key_bytes)) - len(key_bytes))
+
     def encode(self, key: OffloadKey, payload: Any) -> bytes:
         """The value that stores ``payload`` (one row) as chunk ``key`` (a copy)."""
         value = bytearray(self.value_bytes(key))

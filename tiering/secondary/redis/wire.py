@@ -10,20 +10,27 @@ commands before any reply is read, so a call is one round trip on a
 standalone server and one per node on a cluster (the slot map of redis-py's
 cluster client routes each key; keys carry a hash tag, so a chunk's keys
 share a slot). The wire drives redis-py's connections itself, instead of its
-``Pipeline``, to stream: a write frames each value (header, checksum and copy
-in one pass, into a buffer the thread reuses) just before sending it, so the
-server takes one value while the next is checksummed, and a read checks and
+``Pipeline``, to stream: a write checksums each value's row just before
+sending it, then sends the RESP frame in pieces (its own bytes, then the row
+straight from the caller's buffer: the kernel's copy is the only one; on TLS
+the frame is built in a buffer the thread reuses), so the server takes one
+value while the next is checksummed, and a read checks and
 copies each value as it arrives, while the next is in flight. A ``MOVED`` or
 ``ASK`` reply (the cluster is resharding) is a miss, counted, and the slot map
 is refreshed before the next call.
 
-Buffers: each row is encoded or decoded under the call's `Guard`; once the
-async side has abandoned the call (timeout, cancellation), the thread stops
-before the next row and never touches a caller's buffer again.
+Buffers: each row is checksummed, encoded, sent or decoded under the call's
+`Guard` (a row is handed to the kernel in non-blocking pieces under it, the
+waits for room in the socket being outside it); once the async side has
+abandoned the call (timeout, cancellation), the thread stops before the next
+piece and never touches a caller's buffer again.
 """
 
 from __future__ import annotations
 
+import math
+import select
+import socket
 import threading
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
@@ -48,6 +55,108 @@ def _frame_buffer(size: int) -> memoryview:
     if buffer is None or len(buffer) < size:
         buffer = _LOCAL.frame = bytearray(size)
     return memoryview(buffer)
+
+
+#: Most bytes of a caller's row handed to the kernel in one call (under the guard's lock).
+_PIECE = 1 << 20
+
+
+def _plain_socket(connection: Any) -> socket.socket | None:
+    """The connection's TCP socket (connected), or ``None`` where it is not a plain one (TLS)."""
+    if connection._sock is None:
+        connection.connect()
+    sock = connection._sock
+    if type(sock) is not socket.socket or sock.gettimeout() == 0:
+        return None  # an SSLSocket (rediss://) or a non-blocking one: the framed path
+    return sock
+
+
+def _send_own(connection: Any, sock: socket.socket, data: bytes) -> None:
+    """``sendall`` of our own bytes (within the socket's timeout), as redis-py sends them."""
+    try:
+        sock.sendall(data)
+    except BaseException as exc:
+        _send_failed(connection, exc)
+        raise
+
+
+def _send_row(connection: Any, sock: socket.socket, guard: Guard, row: memoryview) -> None:
+    """Send ``row`` (a caller's buffer) without copying it, reading it only under ``guard``.
+
+    Each piece is handed to the kernel by a non-blocking ``send`` under the
+    guard's lock (a bounded memory copy); waiting for room in the socket's
+    buffer is done outside the lock, within the socket's timeout. Once the call
+    is abandoned, the row is never read again (the connection, holding a
+    partial command, is then closed by `RedisWire.exchange`).
+    """
+    timeout = sock.gettimeout()
+    poller: select.poll | None = None
+    sent, size = 0, row.nbytes
+    try:
+        sock.settimeout(0.0)
+        while sent < size:
+            with guard.lock:
+                if guard.abandoned:
+                    raise Abandoned
+                try:
+                    sent += sock.send(row[sent : sent + _PIECE])
+                    continue
+                except BlockingIOError:
+                    pass
+            if poller is None:
+                poller = select.poll()
+                poller.register(sock, select.POLLOUT)
+            wait = -1 if timeout is None else max(1, math.ceil(timeout * 1000))
+            if not poller.poll(wait):
+                raise TimeoutError("timed out")
+    except Abandoned:
+        raise
+    except BaseException as exc:
+        _send_failed(connection, exc)
+        raise
+    finally:
+        if sock.fileno() != -1:  # not closed by the failure
+            sock.settimeout(timeout)
+
+
+def _send_failed(connection: Any, exc: BaseException) -> None:
+    """Close the connection and raise redis-py's error for a failed send, as redis-py does."""
+    from redis import exceptions as rx
+
+    if isinstance(exc, TimeoutError):  # socket.timeout is the builtin TimeoutError
+        connection.disconnect()
+        raise rx.TimeoutError("Timeout writing to socket") from None
+    if isinstance(exc, OSError):
+        connection.disconnect()
+        if len(exc.args) == 1:
+            number, message = "UNKNOWN", exc.args[0]
+        else:
+            number, message = exc.args[0], exc.args[1]
+        raise rx.ConnectionError(f"Error {number} while writing to socket. {message}.") from None
+
+
+def _send_framed(
+    connection: Any,
+    guard: Guard,
+    codec: ChunkCodec,
+    key: OffloadKey,
+    payload: Any,
+    head: bytes,
+    tail: bytes,
+) -> None:
+    """Send one value framed in a buffer this thread reuses (TLS: no raw socket to send on).
+
+    The value is written into the frame in the same pass that checksums the row.
+    """
+    size = codec.value_bytes(key)
+    frame = _frame_buffer(len(head) + size + len(tail))
+    frame[: len(head)] = head
+    with guard.lock:
+        if guard.abandoned:
+            raise Abandoned
+        end = len(head) + codec.encode_into(key, payload, frame[len(head) :])
+    frame[end : end + len(tail)] = tail
+    connection.send_packed_command([frame[: end + len(tail)]], check_health=False)
 
 
 class Guard:
@@ -261,11 +370,10 @@ class RedisWire:
             argc, expiry = 5, b"$2\r\nPX\r\n$%d\r\n%s\r\n" % (len(ms), ms)
 
         def send(connection: Any, positions: list[int]) -> None:
-            # Streamed: each value is framed and sent before the next is framed, so
-            # the server takes one while this thread checksums the next. The RESP
-            # frame (SET key value [PX ms]) is built around the value in a buffer
-            # this thread reuses (no allocation, no page faults per value), and the
-            # value is written into it in the same pass that checksums the row.
+            # Streamed: each value is sent before the next is checksummed, so the
+            # server takes one while this thread checksums the next.
+            sock = _plain_socket(connection)
+            pending = b""  # our own bytes not sent yet: the last tail, the next head
             for p in positions:
                 key, remote, payload = rows[p]
                 size = self.codec.value_bytes(key)
@@ -276,14 +384,21 @@ class RedisWire:
                     size,
                 )
                 tail = b"\r\n" + expiry
-                frame = _frame_buffer(len(head) + size + len(tail))
-                frame[: len(head)] = head
+                if sock is None:
+                    _send_framed(connection, guard, self.codec, key, payload, head, tail)
+                    continue
+                # The RESP frame (SET key value [PX ms]) goes out in pieces: our
+                # bytes (header and checksum), then the caller's row straight
+                # from its buffer (the kernel's copy is the only one), then ours.
                 with guard.lock:
                     if guard.abandoned:
                         raise Abandoned
-                    end = len(head) + self.codec.encode_into(key, payload, frame[len(head) :])
-                frame[end : end + len(tail)] = tail
-                connection.send_packed_command([frame[: end + len(tail)]], check_health=False)
+                    header = self.codec.encode_header(key, payload)
+                _send_own(connection, sock, pending + head + header)
+                _send_row(connection, sock, guard, payload)
+                pending = tail
+            if pending and sock is not None:
+                _send_own(connection, sock, pending)
 
         def receive(position: int, reply: Any) -> None:
             answer.values[position] = self.accepted(answer, reply) and reply == b"OK"
