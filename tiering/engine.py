@@ -578,15 +578,17 @@ class TieringEngine:
             try:
                 if self._remote is not None:  # before the pool: cascades read its rows
                     await self._remote.aclose()
-                if self._pool is not None:
-                    self._pool.close()
-                if self._events is not None:
-                    self._publish_events()  # what the last completions changed
-                    await self._events.aclose()
             finally:
-                self._state = _State.CLOSED
-                if self._closed is not None:
-                    self._closed.set()
+                try:
+                    if self._pool is not None:  # unmapped once no view of it is left
+                        self._pool.close()
+                    if self._events is not None:
+                        self._publish_events()  # what the last completions changed
+                        await self._events.aclose()
+                finally:
+                    self._state = _State.CLOSED
+                    if self._closed is not None:
+                        self._closed.set()
 
     @property
     def backend(self) -> TransferBackend:
