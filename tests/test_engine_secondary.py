@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from tiering import ConfigError
-from tiering.engine import TieringEngine
-from tiering.events import BlockStored, SequencedBatch
+from tiering.engine import Promotion, TieringEngine
+from tiering.errors import ChunkStateError, SpecError
+from tiering.events import BlockStored, ChunkBlocks, SequencedBatch
 from tiering.scheduler import JobOutcome
 from tiering.secondary import Locality, MemoryStore, MemoryTier, RemoteNamespace
 from tiering.specs import GPULoadStoreSpec
@@ -68,7 +69,7 @@ async def test_a_second_engine_loads_what_the_first_wrote_through(anyio_backend:
     second, kv_second = engine_over(store, seed=2)
     async with second:
         assert second.lookup(keys(1, 2, 3, 4)).ready == 0
-        assert await second.promote(keys(1, 2, 3, 4)) == 3  # one round trip for all four
+        assert await second.promote(keys(1, 2, 3, 4)) == Promotion(3, 3)  # one round trip
         assert second.lookup(keys(1, 2, 3, 4)).ready == 3
         loaded = await (await second.submit_load(keys(1, 2, 3), GPULoadStoreSpec([10, 11, 12])))
         assert loaded.success
@@ -92,7 +93,7 @@ async def test_promotion_starts_after_the_cpu_hits_and_stops_at_a_gap(anyio_back
     async with second:
         assert (await (await second.submit_store(keys(1), GPULoadStoreSpec([0])))).success
         # 1 is in the CPU tier; 2 is remote; 3 is nowhere, so 4 cannot be a prefix hit.
-        assert await second.promote(keys(1, 2, 3, 4), start=1) == 1
+        assert await second.promote(keys(1, 2, 3, 4), start=1) == Promotion(1, 1)
         assert second.lookup(keys(1, 2, 3, 4)).ready == 2
         assert not second.manager.holds(keys(4)[0])
 
@@ -150,7 +151,7 @@ async def test_a_tier_that_is_down_misses_and_the_engine_serves_on(anyio_backend
         tier.set_available(False)
         assert (await (await engine.submit_store(keys(1, 2), GPULoadStoreSpec([0, 1])))).success
         await settle(engine, 2)
-        assert await engine.promote(keys(5, 6)) == 0
+        assert await engine.promote(keys(5, 6)) == Promotion(0, 0)
         stats = engine.statistics().secondary
         assert stats is not None
         assert (stats.cascade_failed, stats.tier.state) == (2, "down")
@@ -180,7 +181,9 @@ def test_a_tier_of_another_row_size_is_refused() -> None:
 
 async def test_without_a_secondary_tier_promote_is_a_no_op(anyio_backend: str) -> None:
     async with TieringEngine(config(), kv_caches(), cpu_bytes=4 * CHUNK_BYTES) as engine:
-        assert await engine.promote(keys(1, 2)) == 0
+        assert await engine.promote(keys(1, 2)) == Promotion(0, 0)
+        with pytest.raises(SpecError, match="start"):
+            await engine.promote(keys(1, 2), start=3)
         assert engine.statistics().secondary is None
 
 
@@ -193,7 +196,7 @@ async def test_metrics_show_the_remote_tier(anyio_backend: str) -> None:
     async with engine:
         assert (await (await engine.submit_store(keys(1, 2), GPULoadStoreSpec([0, 1])))).success
         await settle(engine, 2)
-        assert await engine.promote(keys(3)) == 0
+        assert await engine.promote(keys(3)) == Promotion(0, 0)
         samples = {
             (s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(render_metrics(engine).decode())
@@ -211,3 +214,113 @@ async def test_metrics_show_the_remote_tier(anyio_backend: str) -> None:
     assert value("tiering_transfer_bytes_total", direction="store") == 2 * row
     assert value("tiering_jobs_total", direction="store", outcome="ok") == 2
     assert value("tiering_lookups_total", result="miss") == 1
+
+
+async def test_promotion_never_evicts_the_requests_own_head(anyio_backend: str) -> None:
+    store = MemoryStore()
+    first, _ = engine_over(store)
+    async with first:
+        assert (
+            await (await first.submit_store(keys(1, 2, 3), GPULoadStoreSpec([0, 1, 2])))
+        ).success
+        await settle(first, 3)
+    second, _ = engine_over(store, chunks=2)
+    async with second:
+        assert (await (await second.submit_store(keys(1), GPULoadStoreSpec([0])))).success
+        # Room for one more chunk only: 2 comes in, and 1 (the head) stays.
+        promotion = await second.promote(keys(1, 2, 3), start=1)
+        assert promotion == Promotion(0, 0) or second.manager.holds(keys(1)[0], ready=True)
+        loaded = await second.submit_load(
+            keys(1, 2, 3)[: 1 + promotion.ready], GPULoadStoreSpec(list(range(1 + promotion.ready)))
+        )
+        assert (await loaded).success
+
+
+async def test_a_reset_waits_for_write_throughs(anyio_backend: str) -> None:
+    engine, _ = engine_over(MemoryStore())
+    async with engine:
+        remote = engine._remote
+        assert remote is not None
+        tier = remote.tier
+        assert isinstance(tier, MemoryTier)
+        tier.pause()
+        try:
+            assert (await (await engine.submit_store(keys(1), GPULoadStoreSpec([0])))).success
+            with pytest.raises(ChunkStateError, match="written through"):
+                engine.reset()
+            with anyio.fail_after(10):
+                while not remote.writing:  # the write has started (and waits in the tier)
+                    await anyio.sleep(0.01)
+            with pytest.raises(ChunkStateError, match="written through"):
+                engine.reset(force=True)  # a write in progress reads the tier's rows
+        finally:
+            tier.resume()
+        await settle(engine, 1)
+        engine.reset()
+        assert engine.manager.statistics().used == 0
+
+
+async def test_closing_from_another_task_and_cancelling_release_every_pin(
+    anyio_backend: str,
+) -> None:
+    engine, _ = engine_over(MemoryStore(), chunks=16)
+    closed = anyio.Event()
+    async with engine:
+        remote = engine._remote
+        assert remote is not None
+        tier = remote.tier
+        assert isinstance(tier, MemoryTier)
+        tier.pause()
+        for i in range(3):
+            assert (await (await engine.submit_store(keys(i), GPULoadStoreSpec([i])))).success
+
+        async def close_elsewhere() -> None:
+            await engine.aclose()
+            closed.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(close_elsewhere)
+            await anyio.sleep(0.05)
+            tier.resume()
+        assert closed.is_set()
+    stats = engine.statistics().secondary
+    assert stats is not None
+    assert stats.cascade_written + stats.cascade_failed + stats.cascade_dropped == 3
+    assert engine.manager.statistics().pinned == 0
+
+
+async def test_a_cancelled_owner_releases_every_pin(anyio_backend: str) -> None:
+    engine, _ = engine_over(MemoryStore(), chunks=16)
+    with anyio.move_on_after(0.5):
+        async with engine:
+            remote = engine._remote
+            assert remote is not None
+            tier = remote.tier
+            assert isinstance(tier, MemoryTier)
+            tier.pause()  # writes wait for their timeout; the owner is cancelled first
+            for i in range(4):
+                assert (await (await engine.submit_store(keys(i), GPULoadStoreSpec([i])))).success
+            await anyio.sleep(10)
+    stats = engine.statistics().secondary
+    assert stats is not None
+    assert engine.statistics().state == "closed"
+    assert stats.cascade_queued == stats.cascade_written + stats.cascade_failed
+    assert engine.manager.statistics().pinned == 0
+
+
+async def test_a_described_chunk_is_announced_alike_in_both_tiers(anyio_backend: str) -> None:
+    cfg = msgspec.structs.replace(config(), enable_kv_cache_events=True)
+    engine, _ = engine_over(MemoryStore(), cfg=cfg)
+    async with engine:
+        subscription = engine.subscribe()
+        described = [ChunkBlocks(block_hashes=[111], block_size=16, token_ids=list(range(16)))]
+        handle = await engine.submit_store(keys(1), GPULoadStoreSpec([0]), blocks=described)
+        assert (await handle).success
+        seen: list[BlockStored] = []
+        with anyio.fail_after(10):
+            while len(seen) < 2:
+                item = await subscription.__anext__()
+                assert isinstance(item, SequencedBatch)
+                seen += [e for e in item.batch.events if isinstance(e, BlockStored)]
+        assert [(e.block_hashes, e.locality) for e in seen] == [([111], None), ([111], "REMOTE")]
+        assert seen[1].token_ids == list(range(16))

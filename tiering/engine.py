@@ -40,7 +40,13 @@ from tiering.cpu.manager import (
     LookupResult,
     ManagerStatistics,
 )
-from tiering.errors import CapacityError, ChunkStateError, ConfigError, ResourceClosedError
+from tiering.errors import (
+    CapacityError,
+    ChunkStateError,
+    ConfigError,
+    ResourceClosedError,
+    SpecError,
+)
 from tiering.events import ChunkBlocks, EventTranslator, KVEvent, KVEventBatch, KVEventsConfig
 from tiering.events.bus import EventBus, EventSink, EventStatistics, EventSubscription
 from tiering.policies import CachePolicy
@@ -67,7 +73,14 @@ from tiering.transfer import (
     default_backend_name,
 )
 
-__all__ = ["EngineStatistics", "PrefixLookup", "TieringEngine", "kv_cache_tensors"]
+__all__ = [
+    "EngineStatistics",
+    "PrefixLookup",
+    "Promotion",
+    "SecondaryTierStatistics",
+    "TieringEngine",
+    "kv_cache_tensors",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +183,10 @@ class _Events:
         self.endpoints: tuple[str, str | None] | None = None  # the publisher's, once bound
         self.lost = 0  # events that could not be translated (a bug): logged and counted
         self._remote_translator: EventTranslator | None = None
+        # Descriptions of landed chunks, until their write-through is announced
+        # (only with a secondary tier; bounded: a dropped write-through leaves one).
+        self.keep_landed = False
+        self.landed: dict[OffloadKey, ChunkBlocks] = {}
         self._bus: EventBus | None = None
 
     @property
@@ -223,6 +240,10 @@ class _Events:
             blocks = None
             if isinstance(event, ChunksStored) and event.job is not None:
                 blocks = self.described.pop(event.job, None)
+                if blocks and self.keep_landed:  # for the write-through's own event
+                    self.landed.update(blocks)
+                    while len(self.landed) > _LANDED_KEPT:
+                        del self.landed[next(iter(self.landed))]
             try:
                 wire += self.translator.translate([event], blocks)
             except Exception:  # descriptions are checked at submission: a bug
@@ -241,7 +262,10 @@ class _Events:
                 hash_format=self.translator.hash_format,
                 locality=locality,
             )
-        wire = self._remote_translator.translate([ChunksStored(keys=tuple(keys), medium=medium)])
+        landed = self.landed
+        blocks = {k: landed.pop(k) for k in keys if k in landed} if landed else None
+        event = ChunksStored(keys=tuple(keys), medium=medium)
+        wire = self._remote_translator.translate([event], blocks)
         if wire and self._bus is not None:
             self._bus.publish(
                 KVEventBatch(ts=time.time(), events=wire, data_parallel_rank=self.rank)
@@ -269,13 +293,32 @@ class SecondaryTierStatistics(msgspec.Struct, frozen=True, kw_only=True):
     promote_failed: int
 
 
+class Promotion(msgspec.Struct, frozen=True):
+    """What `TieringEngine.promote` did: ``ready`` leading chunks (after the
+    caller's ``start``) are now ready in the CPU tier, ``promoted`` of which it
+    read from the secondary tier just now."""
+
+    ready: int
+    promoted: int
+
+
+#: Landed chunks' descriptions kept for their write-through's event, at most.
+_LANDED_KEPT = 1 << 16
+
+_CascadeItem = tuple[Hashable, tuple[OffloadKey, ...], list[int], int]
+
+
 class _Remote:
     """The engine's side of a secondary tier: the bounded cascade and promotion.
 
     Cascades run in one background task: a landed store pins its chunks (so no
     eviction takes them while their rows are read) and queues them; when the
     queue is full the chunks are dropped, counted and unpinned at once, so the
-    GPU path never waits for the secondary tier.
+    GPU path never waits for the secondary tier. The task lives in a task
+    group entered by the engine's ``__aenter__`` and exited by its
+    ``__aexit__``; `stop` (from `TieringEngine.aclose`, in any task) only
+    ends it: it writes what is queued, and every pin is released whatever
+    happens (a cancelled write counts as failed).
     """
 
     def __init__(self, tier: SecondaryTier, queue: int) -> None:
@@ -283,31 +326,37 @@ class _Remote:
             raise ConfigError(f"cascade_queue must be a positive integer, got {queue!r}")
         self.tier = tier
         self._queue = queue
-        self._send: MemoryObjectSendStream[tuple[Hashable, tuple[OffloadKey, ...], list[int]]]
+        self._send: MemoryObjectSendStream[_CascadeItem] | None = None
         self._tg: anyio.abc.TaskGroup | None = None
+        self._done: anyio.Event | None = None  # made at open (needs a running loop)
         self._jobs = itertools.count()
+        self.generation = 0  # bumped by a reset: queued cascades of older ones are void
+        self.pending = 0  # chunks queued or being written
+        self.writing = 0  # chunks whose rows a write is reading now
         self.queued = self.written = self.dropped = self.failed = 0
         self.promoted = self.promote_failed = 0
 
     async def open(
         self,
+        task_group: anyio.abc.TaskGroup,
         manager: CPUOffloadingManager,
         row: Callable[[int], memoryview],
         on_written: Callable[[Sequence[OffloadKey]], None],
     ) -> None:
-        """Start the cascade task (in the opening task's task group: close from it too)."""
+        """Start the cascade task in ``task_group``."""
         self._manager = manager
         self._row = row
         self._on_written = on_written
-        send, receive = anyio.create_memory_object_stream[
-            tuple[Hashable, tuple[OffloadKey, ...], list[int]]
-        ](self._queue)
+        send, receive = anyio.create_memory_object_stream[_CascadeItem](self._queue)
         self._send = send
-        self._tg = anyio.create_task_group()
-        await self._tg.__aenter__()
-        self._tg.start_soon(self._cascade_worker, receive)
+        self._done = anyio.Event()
+        self._tg = task_group
+        task_group.start_soon(self._cascade_worker, receive)
 
     def cascade(self, keys: tuple[OffloadKey, ...], manager: CPUOffloadingManager) -> None:
+        if self._send is None:
+            self.dropped += len(keys)
+            return
         job = ("cascade", next(self._jobs))
         try:
             spec = manager.prepare_load(keys, job=job, count=False)  # pinned while read
@@ -315,83 +364,124 @@ class _Remote:
             self.dropped += len(keys)  # evicted already (a tiny tier): nothing to write
             return
         try:
-            self._send.send_nowait((job, keys, spec.chunk_ids.tolist()))
+            self._send.send_nowait((job, keys, spec.chunk_ids.tolist(), self.generation))
         except (anyio.WouldBlock, anyio.ClosedResourceError, anyio.BrokenResourceError):
             manager.complete_load(job=job)
             self.dropped += len(keys)
         else:
             self.queued += len(keys)
+            self.pending += len(keys)
 
-    async def _cascade_worker(
-        self,
-        receive: MemoryObjectReceiveStream[tuple[Hashable, tuple[OffloadKey, ...], list[int]]],
-    ) -> None:
-        async with receive:
-            async for job, keys, chunk_ids in receive:
+    async def _cascade_worker(self, receive: MemoryObjectReceiveStream[_CascadeItem]) -> None:
+        """Write queued cascades; never raises but a cancellation (it shares a task group
+        with the engine's owner), and releases every pin however it ends."""
+        current: list[_CascadeItem] = []
+        try:
+            async for item in receive:
+                current.append(item)
+                await self._write(item)
+                current.clear()
+        except Exception:
+            logger.exception("secondary tier: the write-through task failed")
+        finally:
+            for item in current:  # cancelled during its write: not written
+                self._settle(item, 0)
+            while True:
                 try:
-                    items = [(k, self._row(c)) for k, c in zip(keys, chunk_ids, strict=True)]
-                    written = await self.tier.write(items)
-                except Exception:
-                    logger.exception("secondary tier: a cascade write failed")
-                    written = 0
-                finally:
-                    self._manager.complete_load(job=job)  # unpin
-                self.written += written
-                self.failed += len(keys) - written
-                if written == len(keys):
-                    self._on_written(keys)
+                    self._settle(receive.receive_nowait(), 0)
+                except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                    break
+            receive.close()
+            assert self._done is not None
+            self._done.set()
 
-    async def promote(self, keys: Sequence[OffloadKey], start: int) -> int:
+    async def _write(self, item: _CascadeItem) -> None:
+        _, keys, chunk_ids, generation = item
+        written = 0
+        if generation == self.generation:  # else reset since: the rows hold other chunks
+            self.writing = len(keys)
+            try:
+                rows = [(k, self._row(c)) for k, c in zip(keys, chunk_ids, strict=True)]
+                written = await self.tier.write(rows)
+            except Exception:
+                logger.exception("secondary tier: a write-through failed")
+            finally:
+                self.writing = 0
+        self._settle(item, written)
+        if written == len(keys):
+            try:
+                self._on_written(keys)
+            except Exception:
+                logger.exception("secondary tier: announcing a write-through failed")
+
+    def _settle(self, item: _CascadeItem, written: int) -> None:
+        job, keys, _, _ = item
+        self._manager.complete_load(job=job)  # unpin (a no-op after a reset)
+        self.pending -= len(keys)
+        self.written += written
+        self.failed += len(keys) - written
+
+    async def promote(self, keys: Sequence[OffloadKey], start: int) -> Promotion:
         manager = self._manager
         candidates: list[OffloadKey] = []
         for key in keys[start:]:
             if manager.holds(key):
                 break  # in the CPU tier already (or being written): the run ends here
             candidates.append(key)
-        if not candidates:
-            return 0
-        present = await self.tier.contains(candidates)
         run = 0
-        while run < len(present) and present[run]:
-            run += 1
-        if not run:
-            return 0
-        output = manager.prepare_store(candidates[:run])
-        if output is None:
-            return 0  # no room in the CPU tier: the request recomputes
-        wanted = output.keys_to_store
-        ids = output.store_spec.chunk_ids.tolist()
-        items = [(k, self._row(c)) for k, c in zip(wanted, ids, strict=True)]
-        try:
-            found = await self.tier.read(items)
-        except BaseException:
-            manager.complete_store(wanted, success=False)
-            raise
-        good = 0
-        while good < len(found) and found[good]:
-            good += 1
-        manager.complete_store(wanted[:good], success=True)
-        manager.complete_store(wanted[good:], success=False)
-        self.promoted += good
-        self.promote_failed += len(wanted) - good
+        if candidates:
+            present = await self.tier.contains(candidates)
+            while run < len(present) and present[run]:
+                run += 1
+        read = 0
+        if run:
+            read = await self._read(keys[:start], candidates[:run])
         ready = 0
         for key in keys[start:]:
             if not manager.holds(key, ready=True):
                 break
             ready += 1
-        return ready
+        return Promotion(ready=ready, promoted=min(read, ready))
+
+    async def _read(self, head: Sequence[OffloadKey], wanted: Sequence[OffloadKey]) -> int:
+        """Read ``wanted`` into fresh slots; the request's ``head`` is never evicted for them."""
+        manager = self._manager
+        job = ("promote", next(self._jobs))
+        output = manager.prepare_store([*head, *wanted], job=job)
+        if output is None:
+            return 0  # no room in the CPU tier: the request recomputes
+        new = output.keys_to_store
+        ids = output.store_spec.chunk_ids.tolist()
+        rows = [(k, self._row(c)) for k, c in zip(new, ids, strict=True)]
+        found: list[bool] = []
+        try:
+            found = await self.tier.read(rows)
+        finally:
+            good = 0
+            while good < len(found) and found[good]:
+                good += 1
+            # Only while the job holds its keys: after a forced reset they may
+            # be another store's by now.
+            if manager.store_in_flight(job):
+                manager.complete_store(new[good:], success=False)  # frees their slots
+                manager.complete_store(job=job, success=True)  # the rest: the leading run
+            self.promoted += good
+            self.promote_failed += len(new) - good
+        return good
+
+    def idle(self) -> bool:
+        return self.pending == 0
+
+    async def stop(self) -> None:
+        """End the cascade task after it has written what is queued (any task may call it)."""
+        if self._send is not None:
+            self._send.close()
+            assert self._done is not None
+            await self._done.wait()
 
     async def aclose(self) -> None:
-        """Finish the queued cascades, then close the tier."""
-        try:
-            if self._tg is not None:
-                self._send.close()  # the worker writes what is queued, then ends
-                # Exited bare: a cancel scope around it would not be the task
-                # group's own, which anyio refuses.
-                await self._tg.__aexit__(None, None, None)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self.tier.aclose()
+        with anyio.CancelScope(shield=True):
+            await self.tier.aclose()
 
     def statistics(self) -> SecondaryTierStatistics:
         return SecondaryTierStatistics(
@@ -483,6 +573,8 @@ class TieringEngine:
                 "set it to publish KV cache events"
             )
         self._events = _Events(config, events) if config.enable_kv_cache_events else None
+        if self._events is not None and secondary is not None:
+            self._events.keep_landed = True
         self.manager = CPUOffloadingManager(
             num_chunks,
             policy,
@@ -517,6 +609,7 @@ class TieringEngine:
                 )
             self._remote = _Remote(secondary, cascade_queue)
         self._prefault = prefault
+        self._task_group: anyio.abc.TaskGroup | None = None
         self._token: anyio.lowlevel.EventLoopToken | None = None
         self._closed: anyio.Event | None = None  # set once a close has finished
         self._pool: HostMemoryPool | None = None
@@ -548,11 +641,22 @@ class TieringEngine:
                 self._events.open()
             self._token = anyio.lowlevel.current_token()
             self._closed = anyio.Event()
-            self.scheduler.open()
             if self._remote is not None:
-                await self._remote.open(self.manager, self._row, self._events_for_remote)
-        except BaseException:
+                # The write-through task's group: entered here, exited by __aexit__
+                # (at the same nesting), whichever task calls aclose.
+                self._task_group = anyio.create_task_group()
+                await self._task_group.__aenter__()
+                await self._remote.open(
+                    self._task_group, self.manager, self._row, self._events_for_remote
+                )
+            self.scheduler.open()
+        except BaseException as exc:
             self._pool.close()
+            if self._remote is not None:
+                await self._remote.stop()
+                if self._task_group is not None:
+                    await self._task_group.__aexit__(type(exc), exc, exc.__traceback__)
+                await self._remote.aclose()
             if self._events is not None:
                 await self._events.aclose()
             raise
@@ -560,7 +664,12 @@ class TieringEngine:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
+        try:
+            await self.aclose()
+        finally:
+            task_group, self._task_group = self._task_group, None
+            if task_group is not None:
+                await task_group.__aexit__(None, None, None)  # the task has ended already
 
     async def aclose(self) -> None:
         """Queued jobs end cancelled, running ones finish, host memory is freed. Idempotent."""
@@ -570,6 +679,8 @@ class TieringEngine:
             return
         if self._state is _State.NEW:
             self._state = _State.CLOSED
+            if self._remote is not None:  # built by the engine's factory: the engine's to close
+                await self._remote.aclose()
             return
         self._state = _State.CLOSING
         try:
@@ -577,6 +688,8 @@ class TieringEngine:
         finally:
             try:
                 if self._remote is not None:  # before the pool: cascades read its rows
+                    with anyio.CancelScope(shield=True):
+                        await self._remote.stop()
                     await self._remote.aclose()
             finally:
                 try:
@@ -690,22 +803,29 @@ class TieringEngine:
 
     def _cascade(self, keys: tuple[OffloadKey, ...]) -> None:
         """A store landed: queue its chunks for the secondary tier (the scheduler's hook)."""
-        if self._remote is not None and self._state is _State.OPEN:
-            self._remote.cascade(keys, self.manager)
+        if self._remote is not None:
+            if self._state is _State.OPEN:
+                self._remote.cascade(keys, self.manager)
+            else:
+                self._remote.dropped += len(keys)  # landed while closing: not written through
 
-    async def promote(self, keys: Sequence[OffloadKey], start: int = 0) -> int:
+    async def promote(self, keys: Sequence[OffloadKey], start: int = 0) -> Promotion:
         """Bring the chunks after the first ``start`` of ``keys`` in from the secondary tier.
 
         ``start`` is how many leading chunks the CPU tier already has (`lookup`'s
         ``ready``). The chunks that follow and are in neither tier are asked
         about in one round trip; the leading run the secondary tier holds is
         read into fresh CPU slots (being written meanwhile: lookups say
-        pending, nothing evicts them). Returns how many leading chunks after
-        ``start`` are now ready in the CPU tier; 0 without a secondary tier.
+        pending, nothing evicts them), never evicting the request's first
+        ``start`` chunks for them. Returns how many leading chunks after
+        ``start`` are now ready (`Promotion.ready`), and how many of those it
+        read just now (`Promotion.promoted`); nothing without a secondary tier.
         """
         self._check_open()
+        if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= len(keys):
+            raise SpecError(f"start must be an integer in [0, {len(keys)}], got {start!r}")
         if self._remote is None:
-            return 0
+            return Promotion(ready=0, promoted=0)
         return await self._remote.promote(keys, start)
 
     def _events_for_remote(self, keys: Sequence[OffloadKey]) -> None:
@@ -744,7 +864,17 @@ class TieringEngine:
         self._check_open()
         if not force and self.scheduler.busy:
             raise ChunkStateError("cannot reset the tier while jobs are queued or running")
+        remote = self._remote
+        if remote is not None and (remote.writing or (not force and not remote.idle())):
+            # Even forced: a write in progress reads the rows a reset would hand out.
+            raise ChunkStateError(
+                "cannot reset the tier while chunks are being written through to the "
+                "secondary tier; wait for them (statistics().secondary)"
+                + ("" if remote.writing else " or pass force=True")
+            )
         self.manager.reset(force=force)
+        if self._remote is not None:
+            self._remote.generation += 1  # queued write-throughs name slots now void
 
     def _events_pending(self) -> None:
         """The manager queued a first event: publish them all at the end of this turn."""

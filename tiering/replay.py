@@ -257,10 +257,11 @@ async def replay(
             keys = request_keys[index]
             blocks = region[: len(keys)]
             hits = engine.lookup(keys).ready
+            from_remote = 0
             if remote and hits < len(keys):
-                promoted = await engine.promote(keys, hits)
-                tally.remote_hit_blocks += promoted
-                hits += promoted
+                promotion = await engine.promote(keys, hits)
+                hits += promotion.ready
+                from_remote = promotion.promoted
             load: JobHandle | None = None
             if hits:
                 if options.verify:  # no key derives these bytes: a load that never lands shows
@@ -273,6 +274,7 @@ async def replay(
                     hits = 0
             tally.blocks += len(keys)
             tally.hit_blocks += hits
+            tally.remote_hit_blocks += from_remote if hits else 0  # part of these hits
             store: JobHandle | None = None
             if hits < len(keys):
                 pages.fill(first + hits, keys[hits:])  # "compute" what was not loaded
