@@ -337,6 +337,8 @@ def test_event_families_have_one_series_per_sink_when_events_are_on() -> None:
         labels = {"engine": "ev", "sink": sink}
         assert value(series, "tiering_events_published_total", **labels) == published
         assert value(series, "tiering_events_dropped_total", **labels) == dropped
+    # What the manager's own bounded queue lost, before any sink saw it.
+    assert value(series, "tiering_events_dropped_total", engine="ev", sink="manager") == 0
     off = render_metrics(FakeEngine("off", None))
     assert families_of(off) == set(FAMILIES)  # same names, no samples
     assert b"tiering_events_published_total{" not in off

@@ -204,7 +204,7 @@ class MetricsCollector:
         families.add_manager(stats.manager)
         families.add_direction("store", stats.scheduler.stores)
         families.add_direction("load", stats.scheduler.loads)
-        families.add_events(getattr(stats, "events", None))
+        families.add_events(getattr(stats, "events", None), stats.manager)
         families.add_secondary(getattr(stats, "secondary", None))
         return iter(families.all())
 
@@ -359,13 +359,15 @@ class _Families:
         self.jobs.add_metric([*load, "ok"], remote.promoted)
         self.jobs.add_metric([*load, "failed"], remote.promote_failed)
 
-    def add_events(self, events: Any) -> None:
+    def add_events(self, events: Any, manager: ManagerStatistics) -> None:
         if events is None:
             return
         for sink in events.sinks:
             labels = [self.engine_id, str(sink.name)]
             self.published.add_metric(labels, sink.published_total)
             self.dropped.add_metric(labels, sink.dropped_total)
+        # Lost before any sink: the manager's bounded queue of events overflowed.
+        self.dropped.add_metric([self.engine_id, "manager"], manager.events_dropped_total)
 
 
 _registries: weakref.WeakKeyDictionary[object, CollectorRegistry] = weakref.WeakKeyDictionary()
