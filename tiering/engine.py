@@ -448,6 +448,9 @@ class _Remote:
         manager = self._manager
         job = ("promote", next(self._jobs))
         output = manager.prepare_store([*head, *wanted], job=job)
+        while output is None and len(wanted) > 1:  # no room for all: try a shorter run
+            wanted = wanted[: len(wanted) // 2]
+            output = manager.prepare_store([*head, *wanted], job=job)
         if output is None:
             return 0  # no room in the CPU tier: the request recomputes
         new = output.keys_to_store
