@@ -31,27 +31,29 @@ longer workload are the n requests of a shorter one.
 from __future__ import annotations
 
 import heapq
-import math
 from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
 from tiering.errors import WorkloadError
+from tiering.workload.synthetic import (
+    BATCH,
+    DECODE_SECONDS_PER_TOKEN,
+    check_int,
+    check_real,
+    check_request_count,
+    log_normal_mu,
+)
 from tiering.workload.trace import BLOCK_TOKENS, Request
 
 __all__ = ["chat_workload"]
 
-# Shapes that are not parameters: log-normal spreads of message lengths, bounds,
-# and how fast an answer is decoded (it delays the user's next turn).
+# Shapes that are not parameters: log-normal spreads of message lengths and bounds.
 _USER_SIGMA = 1.2
 _OUTPUT_SIGMA = 0.8
 _MIN_USER_TOKENS = 8
 _MAX_OUTPUT_TOKENS = 4096
-_DECODE_SECONDS_PER_TOKEN = 0.02
-# Conversations are drawn this many at a time; fixed, so that the draws (and the
-# workload) do not depend on how many requests are asked for.
-_BATCH = 64
 
 
 class _Turn(NamedTuple):
@@ -62,34 +64,6 @@ class _Turn(NamedTuple):
     system_tokens: int
     input_length: int
     output_length: int
-
-
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise WorkloadError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
-def _check_real(name: str, value: object, minimum: float, *, inclusive: bool) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value < minimum
-        or (value == minimum and not inclusive)
-    ):
-        bound = ">=" if inclusive else ">"
-        raise WorkloadError(f"{name} must be a finite number {bound} {minimum:g}, got {value!r}")
-    return float(value)
-
-
-def _log_normal_mu(mean: float, sigma: float) -> float:
-    """The ``mu`` of a log-normal with this ``mean`` and ``sigma``."""
-    return math.log(mean) - sigma * sigma / 2.0
-
-
-#: The largest generated workload (about 1.7 s and a few hundred MB per 100,000).
-MAX_REQUESTS = 10_000_000
 
 
 def chat_workload(
@@ -127,22 +101,17 @@ def chat_workload(
     prefixes. The same arguments always give the same requests. Raises
     `WorkloadError` for a parameter out of range.
     """
-    _check_int("num_requests", num_requests, 0)
-    if num_requests > MAX_REQUESTS:
-        raise WorkloadError(
-            f"num_requests must be at most {MAX_REQUESTS:,} for a generated workload, "
-            f"got {num_requests:,}"
-        )
-    _check_int("seed", seed, 0)
-    _check_int("num_system_prompts", num_system_prompts, 1)
-    _check_int("system_prompt_tokens", system_prompt_tokens, 1)
-    skew = _check_real("popularity_skew", popularity_skew, 0.0, inclusive=True)
-    turns_mean = _check_real("mean_turns", mean_turns, 1.0, inclusive=True)
-    _check_int("user_tokens", user_tokens, _MIN_USER_TOKENS)
-    _check_int("output_tokens", output_tokens, 1)
-    rate = _check_real("request_rate", request_rate, 0.0, inclusive=False)
-    think = _check_real("think_time_s", think_time_s, 0.0, inclusive=True)
-    _check_int("max_input_tokens", max_input_tokens, 1)
+    check_request_count(num_requests)
+    check_int("seed", seed, 0)
+    check_int("num_system_prompts", num_system_prompts, 1)
+    check_int("system_prompt_tokens", system_prompt_tokens, 1)
+    skew = check_real("popularity_skew", popularity_skew, 0.0, inclusive=True)
+    turns_mean = check_real("mean_turns", mean_turns, 1.0, inclusive=True)
+    check_int("user_tokens", user_tokens, _MIN_USER_TOKENS)
+    check_int("output_tokens", output_tokens, 1)
+    rate = check_real("request_rate", request_rate, 0.0, inclusive=False)
+    think = check_real("think_time_s", think_time_s, 0.0, inclusive=True)
+    check_int("max_input_tokens", max_input_tokens, 1)
     if max_input_tokens < 2 * system_prompt_tokens:
         raise WorkloadError(
             f"max_input_tokens must be at least 2 * system_prompt_tokens = "
@@ -187,8 +156,8 @@ def _draw_turns(
     """The ``num_requests`` earliest turns, sorted by arrival time."""
     weights = np.arange(1, system_lengths.size + 1, dtype=np.float64) ** -skew
     weights /= weights.sum()
-    user_mu = _log_normal_mu(user_tokens, _USER_SIGMA)
-    output_mu = _log_normal_mu(output_tokens, _OUTPUT_SIGMA)
+    user_mu = log_normal_mu(user_tokens, _USER_SIGMA)
+    output_mu = log_normal_mu(output_tokens, _OUTPUT_SIGMA)
 
     turns: list[_Turn] = []
     # Negated arrival times of the num_requests earliest turns so far (a max-heap):
@@ -198,9 +167,9 @@ def _draw_turns(
     start = 0.0
     conversation = 0
     while True:
-        systems = rng.choice(system_lengths.size, size=_BATCH, p=weights)
-        counts = rng.geometric(1.0 / mean_turns, size=_BATCH)
-        start_gaps = rng.exponential(1.0 / conversation_rate, size=_BATCH)
+        systems = rng.choice(system_lengths.size, size=BATCH, p=weights)
+        counts = rng.geometric(1.0 / mean_turns, size=BATCH)
+        start_gaps = rng.exponential(1.0 / conversation_rate, size=BATCH)
         total = int(counts.sum())
         users = rng.lognormal(user_mu, _USER_SIGMA, size=total)
         outputs = rng.lognormal(output_mu, _OUTPUT_SIGMA, size=total)
@@ -209,7 +178,7 @@ def _draw_turns(
         outputs_int = np.clip(np.rint(outputs), 1, _MAX_OUTPUT_TOKENS).astype(np.int64).tolist()
         thinks_list = thinks.tolist()
         offset = 0
-        for j in range(_BATCH):
+        for j in range(BATCH):
             if len(earliest) == num_requests and -earliest[0] <= start:
                 turns.sort()
                 return turns[:num_requests]
@@ -230,7 +199,7 @@ def _draw_turns(
                 elif time_s < -earliest[0]:
                     heapq.heapreplace(earliest, -time_s)
                 length = prompt + output
-                time_s += output * _DECODE_SECONDS_PER_TOKEN + thinks_list[offset + k]
+                time_s += output * DECODE_SECONDS_PER_TOKEN + thinks_list[offset + k]
             offset += int(counts[j])
             conversation += 1
             start += float(start_gaps[j])

@@ -30,13 +30,20 @@ longer workload are the n requests of a shorter one.
 from __future__ import annotations
 
 import heapq
-import math
 from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
 from tiering.errors import WorkloadError
+from tiering.workload.synthetic import (
+    BATCH,
+    DECODE_SECONDS_PER_TOKEN,
+    check_int,
+    check_real,
+    check_request_count,
+    log_normal_mu,
+)
 from tiering.workload.trace import BLOCK_TOKENS, Request
 
 __all__ = ["documents_workload"]
@@ -47,10 +54,6 @@ _ANSWER_SIGMA = 0.8
 _MIN_DOCUMENT_TOKENS = 512
 _MIN_QUESTION_TOKENS = 4
 _MAX_ANSWER_TOKENS = 4096
-_DECODE_SECONDS_PER_TOKEN = 0.02
-_BATCH = 64
-#: The largest generated workload.
-MAX_REQUESTS = 10_000_000
 
 
 class _Turn(NamedTuple):
@@ -59,29 +62,6 @@ class _Turn(NamedTuple):
     document: int
     input_length: int
     output_length: int
-
-
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise WorkloadError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
-def _check_real(name: str, value: object, minimum: float, *, inclusive: bool) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value < minimum
-        or (value == minimum and not inclusive)
-    ):
-        bound = ">=" if inclusive else ">"
-        raise WorkloadError(f"{name} must be a finite number {bound} {minimum:g}, got {value!r}")
-    return float(value)
-
-
-def _log_normal_mu(mean: float, sigma: float) -> float:
-    return math.log(mean) - sigma * sigma / 2.0
 
 
 def documents_workload(
@@ -117,24 +97,19 @@ def documents_workload(
     conventions as `chat_workload`. The same arguments always give the same
     requests. Raises `WorkloadError` for a parameter out of range.
     """
-    _check_int("num_requests", num_requests, 0)
-    if num_requests > MAX_REQUESTS:
-        raise WorkloadError(
-            f"num_requests must be at most {MAX_REQUESTS:,} for a generated workload, "
-            f"got {num_requests:,}"
-        )
-    _check_int("seed", seed, 0)
-    _check_int("initial_documents", initial_documents, 1)
-    doc_rate = _check_real("document_rate", document_rate, 0.0, inclusive=True)
-    skew = _check_real("popularity_skew", popularity_skew, 0.0, inclusive=True)
-    _check_int("document_tokens", document_tokens, _MIN_DOCUMENT_TOKENS)
-    _check_int("system_prompt_tokens", system_prompt_tokens, 0)
-    _check_int("question_tokens", question_tokens, _MIN_QUESTION_TOKENS)
-    _check_int("answer_tokens", answer_tokens, 1)
-    turns_mean = _check_real("mean_turns", mean_turns, 1.0, inclusive=True)
-    rate = _check_real("request_rate", request_rate, 0.0, inclusive=False)
-    think = _check_real("think_time_s", think_time_s, 0.0, inclusive=True)
-    _check_int("max_input_tokens", max_input_tokens, 1)
+    check_request_count(num_requests)
+    check_int("seed", seed, 0)
+    check_int("initial_documents", initial_documents, 1)
+    doc_rate = check_real("document_rate", document_rate, 0.0, inclusive=True)
+    skew = check_real("popularity_skew", popularity_skew, 0.0, inclusive=True)
+    check_int("document_tokens", document_tokens, _MIN_DOCUMENT_TOKENS)
+    check_int("system_prompt_tokens", system_prompt_tokens, 0)
+    check_int("question_tokens", question_tokens, _MIN_QUESTION_TOKENS)
+    check_int("answer_tokens", answer_tokens, 1)
+    turns_mean = check_real("mean_turns", mean_turns, 1.0, inclusive=True)
+    rate = check_real("request_rate", request_rate, 0.0, inclusive=False)
+    think = check_real("think_time_s", think_time_s, 0.0, inclusive=True)
+    check_int("max_input_tokens", max_input_tokens, 1)
     room = max_input_tokens - system_prompt_tokens - 2 * BLOCK_TOKENS
     if room < _MIN_DOCUMENT_TOKENS:
         raise WorkloadError(
@@ -168,7 +143,7 @@ class _Documents:
 
     def __init__(self, seed: int, mean_tokens: int, max_tokens: int, skew: float) -> None:
         self._seed = seed
-        self._mu = _log_normal_mu(mean_tokens, _DOCUMENT_SIGMA)
+        self._mu = log_normal_mu(mean_tokens, _DOCUMENT_SIGMA)
         self._max = max_tokens
         self._skew = skew
         self._lengths: dict[int, int] = {}
@@ -209,16 +184,16 @@ def _draw_turns(
     max_input_tokens: int,
 ) -> list[_Turn]:
     """The ``num_requests`` earliest turns, sorted by arrival time (as in `chat_workload`)."""
-    question_mu = _log_normal_mu(question_tokens, _QUESTION_SIGMA)
-    answer_mu = _log_normal_mu(answer_tokens, _ANSWER_SIGMA)
+    question_mu = log_normal_mu(question_tokens, _QUESTION_SIGMA)
+    answer_mu = log_normal_mu(answer_tokens, _ANSWER_SIGMA)
     turns: list[_Turn] = []
     earliest: list[float] = []  # negated times of the num_requests earliest turns (max-heap)
     start = 0.0
     session = 0
     while True:
-        counts = rng.geometric(1.0 / mean_turns, size=_BATCH)
-        start_gaps = rng.exponential(1.0 / session_rate, size=_BATCH)
-        picks = rng.random(size=_BATCH).tolist()
+        counts = rng.geometric(1.0 / mean_turns, size=BATCH)
+        start_gaps = rng.exponential(1.0 / session_rate, size=BATCH)
+        picks = rng.random(size=BATCH).tolist()
         total = int(counts.sum())
         questions = rng.lognormal(question_mu, _QUESTION_SIGMA, size=total)
         answers = rng.lognormal(answer_mu, _ANSWER_SIGMA, size=total)
@@ -226,7 +201,7 @@ def _draw_turns(
         questions_int = np.maximum(np.rint(questions), _MIN_QUESTION_TOKENS).astype(np.int64)
         answers_int = np.clip(np.rint(answers), 1, _MAX_ANSWER_TOKENS).astype(np.int64)
         offset = 0
-        for j in range(_BATCH):
+        for j in range(BATCH):
             if len(earliest) == num_requests and -earliest[0] <= start:
                 turns.sort()
                 return turns[:num_requests]
@@ -247,7 +222,7 @@ def _draw_turns(
                 elif time_s < -earliest[0]:
                     heapq.heapreplace(earliest, -time_s)
                 length = prompt + output
-                time_s += output * _DECODE_SECONDS_PER_TOKEN + thinks[offset + k]
+                time_s += output * DECODE_SECONDS_PER_TOKEN + thinks[offset + k]
             offset += int(counts[j])
             session += 1
             start += float(start_gaps[j])
