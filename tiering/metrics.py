@@ -46,6 +46,7 @@ from typing import Any, Protocol, Self
 from wsgiref.simple_server import WSGIServer
 
 import anyio.to_thread
+from anyio.abc import AsyncResource
 from prometheus_client import generate_latest, make_asgi_app, start_http_server
 from prometheus_client.metrics_core import (
     CounterMetricFamily,
@@ -406,7 +407,7 @@ def metrics_app(engine: MetricsSource) -> ASGIApp:
     return make_asgi_app(registry=metrics_registry(engine))
 
 
-class MetricsServer:
+class MetricsServer(AsyncResource):
     """The HTTP endpoint that `serve_metrics` started: ``host``, ``port``, ``url``.
 
     `close` stops it (idempotent; it may take up to half a second, the server's
@@ -453,17 +454,6 @@ class MetricsServer:
         tb: TracebackType | None,
     ) -> None:
         self.close()
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "serving"

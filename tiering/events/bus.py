@@ -22,11 +22,11 @@ from __future__ import annotations
 import enum
 from collections import deque
 from collections.abc import Iterable
-from types import TracebackType
 from typing import Protocol
 
 import anyio
 import msgspec
+from anyio.abc import AsyncResource
 
 from tiering.errors import ConfigError, ResourceClosedError
 from tiering.events.schema import EventItem, Gap, KVEventBatch, SequencedBatch
@@ -76,7 +76,7 @@ class BusState(enum.Enum):
     CLOSED = "closed"
 
 
-class EventSubscription:
+class EventSubscription(AsyncResource):
     """A bounded view of the bus: ``async for item in subscription`` yields `EventItem`.
 
     Items are `SequencedBatch` in sequence order, and a `Gap` before a batch
@@ -163,17 +163,6 @@ class EventSubscription:
         if self._wakeup is not None:
             self._wakeup.set()
 
-    async def __aenter__(self) -> EventSubscription:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
-
     def __repr__(self) -> str:
         state = "closed" if self._closed else "ended" if self._ended else "open"
         return (
@@ -182,7 +171,7 @@ class EventSubscription:
         )
 
 
-class EventBus:
+class EventBus(AsyncResource):
     """Numbers KV event batches and fans them out to subscriptions and sinks.
 
     ``publish`` is synchronous, never waits and never raises because a
@@ -271,17 +260,6 @@ class EventBus:
                     await anyio.to_thread.run_sync(sink.close)
         finally:
             self._state = BusState.CLOSED
-
-    async def __aenter__(self) -> EventBus:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     def __repr__(self) -> str:
         return (

@@ -30,11 +30,11 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from types import TracebackType
 
 import anyio
 import msgspec
 import zmq
+from anyio.abc import AsyncResource
 
 from tiering.errors import ConfigError, ResourceClosedError
 from tiering.events.publisher import END_SEQ
@@ -59,7 +59,7 @@ class SubscriberState(enum.Enum):
     CLOSED = "closed"
 
 
-class ZmqSubscriber:
+class ZmqSubscriber(AsyncResource):
     """A client of `ZmqEventPublisher`: connects a SUB socket and, optionally, a DEALER for replay.
 
     ``start_seq=None`` starts with the first live batch; ``start_seq=n``
@@ -274,14 +274,6 @@ class ZmqSubscriber:
         if self._state is SubscriberState.CLOSED:
             raise ResourceClosedError("the ZMQ subscriber is closed")
         return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     def __repr__(self) -> str:
         return (

@@ -33,10 +33,10 @@ from __future__ import annotations
 import abc
 import enum
 from collections.abc import Sequence
-from types import TracebackType
 from typing import Any
 
 import msgspec
+from anyio.abc import AsyncResource
 
 from tiering._types import Medium, OffloadKey
 from tiering.secondary.codec import ChunkCodec, RemoteNamespace, Verdict
@@ -153,7 +153,7 @@ class TierCounters:
         return SecondaryStatistics(name=name, state=state, **fields)
 
 
-class SecondaryTier(abc.ABC):
+class SecondaryTier(AsyncResource):
     """A store of chunk rows below the CPU tier. Use from one event loop (asyncio or trio).
 
     Also an async context manager that calls `aclose` on exit. Attributes:
@@ -208,17 +208,6 @@ class SecondaryTier(abc.ABC):
     @abc.abstractmethod
     async def aclose(self) -> None:
         """Release connections and buffers; idempotent. Later calls raise `ResourceClosedError`."""
-
-    async def __aenter__(self) -> SecondaryTier:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
 
 def describe(exc: BaseException, limit: int = 200) -> str:
