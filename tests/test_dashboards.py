@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -28,6 +26,8 @@ from tiering.engine import TieringEngine
 from tiering.metrics import FAMILIES, UNDASHBOARDED, render_metrics
 from tiering.replay import ReplayOptions, replay_config
 
+from .conftest import require_binary
+
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARDS = ROOT / "dashboards"
 DASHBOARD = DASHBOARDS / "tiering.json"
@@ -39,17 +39,6 @@ HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 EVENT_FAMILIES = {"tiering_events_published_total", "tiering_events_dropped_total"}
 
 T = TypeVar("T")
-
-
-def require_binary(name: str) -> str:
-    """The path of a server binary; skips without it, fails in CI (TIERING_REQUIRE_SERVERS)."""
-    path = shutil.which(name)
-    if path is None:
-        message = f"{name} is not installed (Debian: apt-get install prometheus)"
-        if os.environ.get("TIERING_REQUIRE_SERVERS"):
-            pytest.fail(f"{message}, and TIERING_REQUIRE_SERVERS is set")
-        pytest.skip(message)
-    return path
 
 
 def generator() -> ModuleType:
@@ -195,7 +184,7 @@ def test_every_name_in_dashboards_is_exported_and_every_family_is_used() -> None
 
 
 def test_promtool_checks_the_rules() -> None:
-    promtool = require_binary("promtool")
+    promtool = require_binary("promtool", "prometheus")
     out = subprocess.run(
         [promtool, "check", "rules", str(ALERTS)], capture_output=True, text=True, timeout=60
     )
@@ -204,7 +193,7 @@ def test_promtool_checks_the_rules() -> None:
 
 
 def test_promtool_unit_tests_fire_the_tier_full_alert() -> None:
-    promtool = require_binary("promtool")
+    promtool = require_binary("promtool", "prometheus")
     assert "alertname: TieringTierFull" in ALERTS_TEST.read_text()
     out = subprocess.run(
         [promtool, "test", "rules", str(ALERTS_TEST)],
@@ -254,7 +243,7 @@ def stop(process: subprocess.Popen[bytes]) -> None:
 
 
 def test_every_query_runs_against_a_real_prometheus(tmp_path: Path) -> None:
-    prometheus = require_binary("prometheus")
+    prometheus = require_binary("prometheus", "prometheus")
     metrics_port, web_port = free_port(), free_port()
     base = f"http://127.0.0.1:{web_port}"
     target = f"127.0.0.1:{metrics_port}"

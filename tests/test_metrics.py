@@ -5,8 +5,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
-import os
-import shutil
 import socket
 import subprocess
 import urllib.error
@@ -57,19 +55,10 @@ from tiering.specs import GPULoadStoreSpec
 from tiering.transfer.mock import MockBackend, MockJob
 from tiering.workload import chat_workload
 
+from .conftest import require_binary
+
 PAGE_WORDS = 512  # 4 KiB pages
 CHUNK_BYTES = 2 * PAGE_WORDS * 8
-
-
-def require_binary(name: str) -> str:
-    """The path of a server binary; skips without it, fails in CI (TIERING_REQUIRE_SERVERS)."""
-    path = shutil.which(name)
-    if path is None:
-        message = f"{name} is not installed (Debian: apt-get install prometheus)"
-        if os.environ.get("TIERING_REQUIRE_SERVERS"):
-            pytest.fail(f"{message}, and TIERING_REQUIRE_SERVERS is set")
-        pytest.skip(message)
-    return path
 
 
 def config() -> OffloadingConfig:
@@ -467,7 +456,7 @@ async def test_the_asgi_app_serves_the_same_exposition(anyio_backend: str) -> No
 
 @pytest.mark.parametrize("events", [None, EVENTS], ids=["events-off", "events-on"])
 def test_promtool_finds_no_problem_in_the_exposition(events: EventStatistics | None) -> None:
-    promtool = require_binary("promtool")
+    promtool = require_binary("promtool", "prometheus")
     text = render_metrics(FakeEngine("lint", events))
     out = subprocess.run(
         [promtool, "check", "metrics"], input=text, capture_output=True, timeout=60
@@ -479,7 +468,7 @@ def test_promtool_finds_no_problem_in_the_exposition(events: EventStatistics | N
 async def test_promtool_finds_no_problem_in_a_real_engines_exposition(
     anyio_backend: str,
 ) -> None:
-    promtool = require_binary("promtool")
+    promtool = require_binary("promtool", "prometheus")
     async with make_engine(4) as engine:
         await (await engine.submit_store(keys(1), spec(0)))
         text = render_metrics(engine)

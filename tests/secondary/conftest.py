@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import signal
 import socket
 import subprocess
@@ -30,20 +29,16 @@ import pytest
 from tiering._types import OffloadKey, make_offload_key
 from tiering.secondary import RemoteNamespace
 
+from ..conftest import require_binary as _require_binary
+
 ACL_USER = "engine"
 ACL_PASSWORD = "s3cret-Pa55"
 DEFAULT_PASSWORD = "default-Pa55"
 
 
 def require_binary(name: str) -> str:
-    """The path of a server binary; skips without it, fails in CI (TIERING_REQUIRE_SERVERS)."""
-    path = shutil.which(name)
-    if path is None:
-        message = f"{name} is not installed (Debian: apt-get install redis-server)"
-        if os.environ.get("TIERING_REQUIRE_SERVERS"):
-            pytest.fail(f"{message}, and TIERING_REQUIRE_SERVERS is set")
-        pytest.skip(message)
-    return path
+    """The path of a Redis binary; skips without it, fails in CI (TIERING_REQUIRE_SERVERS)."""
+    return _require_binary(name, "redis-server")
 
 
 def require_redis_py() -> None:
