@@ -68,6 +68,35 @@ class SimulationResult(msgspec.Struct, frozen=True, kw_only=True):
     seconds: float
     keys_per_s: float
 
+    @classmethod
+    def of(
+        cls,
+        *,
+        policy: str,
+        capacity_tokens: int,
+        capacity_chunks: int,
+        requests: int,
+        blocks: int,
+        hit_blocks: int,
+        store_failures: int,
+        evictions: int,
+        seconds: float,
+    ) -> SimulationResult:
+        """A result, with the hit rate and the speed derived from the counts."""
+        return cls(
+            policy=policy,
+            capacity_tokens=capacity_tokens,
+            capacity_chunks=capacity_chunks,
+            requests=requests,
+            blocks=blocks,
+            hit_blocks=hit_blocks,
+            hit_rate=hit_blocks / blocks if blocks else 0.0,
+            store_failures=store_failures,
+            evictions=evictions,
+            seconds=seconds,
+            keys_per_s=blocks / seconds if seconds > 0 else 0.0,
+        )
+
 
 def requests_to_keys(requests: Iterable[_HasHashIds]) -> list[list[OffloadKey]]:
     """The chunk keys of each request: one key per hash id, equal ids giving one shared key.
@@ -141,19 +170,16 @@ def simulate_keys(
         if hits:
             complete_load(hit_keys)
         touch(keys)
-    seconds = time.perf_counter() - start
-    return SimulationResult(
+    return SimulationResult.of(
         policy=policy,
         capacity_tokens=capacity_tokens,
         capacity_chunks=num_chunks,
         requests=len(request_keys),
         blocks=blocks,
         hit_blocks=hit_blocks,
-        hit_rate=hit_blocks / blocks if blocks else 0.0,
         store_failures=store_failures,
         evictions=manager.statistics().evictions_total,
-        seconds=seconds,
-        keys_per_s=blocks / seconds if seconds > 0 else 0.0,
+        seconds=time.perf_counter() - start,
     )
 
 
@@ -262,19 +288,16 @@ def simulate_optimal(
         if len(heap) > 4 * len(cache) + 1024:  # drop stale entries now and then
             heap = [(-use, key) for key, use in cache.items()]
             heapq.heapify(heap)
-    seconds = time.perf_counter() - start
-    return SimulationResult(
+    return SimulationResult.of(
         policy=OPTIMAL,
         capacity_tokens=capacity_tokens,
         capacity_chunks=num_chunks,
         requests=len(request_keys),
         blocks=blocks,
         hit_blocks=hit_blocks,
-        hit_rate=hit_blocks / blocks if blocks else 0.0,
         store_failures=store_failures,
         evictions=evictions,
-        seconds=seconds,
-        keys_per_s=blocks / seconds if seconds > 0 else 0.0,
+        seconds=time.perf_counter() - start,
     )
 
 
