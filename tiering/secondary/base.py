@@ -144,6 +144,17 @@ class TierCounters:
         self.errors_total += 1
         self.last_error = message
 
+    def read(self, key: OffloadKey, verdict: Verdict | None, row_bytes: int) -> bool:
+        """Count one chunk's read (``None``: a miss); whether it filled its buffer."""
+        if verdict is None:
+            self.read_misses_total += 1
+        elif verdict is Verdict.OK:
+            self.reads_total += 1
+            self.read_bytes_total += row_bytes
+        else:
+            self.rejected(key, verdict)
+        return verdict is Verdict.OK
+
     def rejected(self, key: OffloadKey, verdict: Verdict) -> None:
         self.rejected_total += 1
         self.last_rejection = f"{verdict.value} for key {bytes(key).hex()}"

@@ -26,7 +26,7 @@ from tiering.secondary.base import (
     TierCounters,
     WriteItem,
 )
-from tiering.secondary.codec import ChunkCodec, RemoteNamespace, Verdict, writable_row
+from tiering.secondary.codec import ChunkCodec, RemoteNamespace, writable_row
 from tiering.secondary.health import TierState
 
 __all__ = ["MemoryStore", "MemoryTier"]
@@ -185,17 +185,8 @@ class MemoryTier(SecondaryTier):
         filled = []
         for (key, _), view in zip(items, views, strict=True):
             value = self.store.get(self.codec.remote_key(key))
-            if value is None:
-                c.read_misses_total += 1
-                filled.append(False)
-                continue
-            verdict = self.codec.decode_into(key, value, view)
-            if verdict is Verdict.OK:
-                c.reads_total += 1
-                c.read_bytes_total += self.row_bytes
-            else:
-                c.rejected(key, verdict)
-            filled.append(verdict is Verdict.OK)
+            verdict = None if value is None else self.codec.decode_into(key, value, view)
+            filled.append(c.read(key, verdict, self.row_bytes))
         return filled
 
     def statistics(self) -> SecondaryStatistics:

@@ -255,17 +255,10 @@ class RedisTier(SecondaryTier):
             return []
         answer = await self._run(self._wire.read, rows)
         verdicts = answer.values if answer is not None else [None] * len(rows)
-        filled = []
-        for (key, _, _), verdict in zip(rows, verdicts, strict=True):
-            if verdict is None:
-                c.read_misses_total += 1
-            elif verdict is Verdict.OK:
-                c.reads_total += 1
-                c.read_bytes_total += self.row_bytes
-            else:
-                c.rejected(key, verdict)
-            filled.append(verdict is Verdict.OK)
-        return filled
+        return [
+            c.read(key, verdict, self.row_bytes)
+            for (key, _, _), verdict in zip(rows, verdicts, strict=True)
+        ]
 
     def statistics(self) -> SecondaryStatistics:
         return self._counters.snapshot(self.name, self.state.value)
