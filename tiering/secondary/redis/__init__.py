@@ -52,7 +52,7 @@ from tiering.secondary.base import (
     TierCounters,
     WriteItem,
 )
-from tiering.secondary.codec import ChunkCodec, RemoteNamespace, Verdict, writable_row
+from tiering.secondary.codec import ChunkCodec, RemoteNamespace, writable_row
 from tiering.secondary.health import Admission, HealthGate, TierState
 from tiering.secondary.redis.wire import Answer, Guard, RedisWire, Row, Work
 
