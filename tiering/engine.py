@@ -327,7 +327,6 @@ class _Remote:
         self.tier = tier
         self._queue = queue
         self._send: MemoryObjectSendStream[_CascadeItem] | None = None
-        self._tg: anyio.abc.TaskGroup | None = None
         self._done: anyio.Event | None = None  # made at open (needs a running loop)
         self._jobs = itertools.count()
         self.generation = 0  # bumped by a reset: queued cascades of older ones are void
@@ -350,7 +349,6 @@ class _Remote:
         send, receive = anyio.create_memory_object_stream[_CascadeItem](self._queue)
         self._send = send
         self._done = anyio.Event()
-        self._tg = task_group
         task_group.start_soon(self._cascade_worker, receive)
 
     def cascade(self, keys: tuple[OffloadKey, ...], manager: CPUOffloadingManager) -> None:

@@ -20,6 +20,7 @@ trace, capacity and policy.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import sys
 import time
@@ -349,19 +350,10 @@ async def replay(
     )
 
 
-def _redis_tier_class() -> type[SecondaryTier]:
+def _remote_tier(url: str) -> Callable[[RemoteNamespace], SecondaryTier]:
     from tiering.secondary.redis import RedisTier  # redis-py: only when used
 
-    return RedisTier
-
-
-def _remote_tier(url: str) -> Callable[[RemoteNamespace], SecondaryTier]:
-    tier_class = _redis_tier_class()
-
-    def build(namespace: RemoteNamespace) -> SecondaryTier:
-        return tier_class(url, namespace)  # type: ignore[call-arg]
-
-    return build
+    return functools.partial(RedisTier, url)
 
 
 def _row_bytes(config: OffloadingConfig, kv: torch.Tensor) -> int:

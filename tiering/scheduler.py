@@ -61,7 +61,6 @@ __all__ = [
     "SchedulerLimits",
     "SchedulerStatistics",
     "chunk_block_ranges",
-    "chunk_count",
     "manager_job",
     "select_chunks",
 ]
@@ -303,15 +302,6 @@ class _Direction:
 def manager_job(job_id: int) -> tuple[str, int]:
     """The id under which the scheduler's job ``job_id`` holds state in the manager."""
     return ("scheduler", job_id)
-
-
-def chunk_count(spec: GPULoadStoreSpec, blocks_per_chunk: int) -> int:
-    """How many chunks ``spec`` covers (a group's first chunk may be partial)."""
-    count = 0
-    for size, first in zip(spec.group_sizes.tolist(), spec.block_indices.tolist(), strict=True):
-        if size:
-            count += -(-(first % blocks_per_chunk + size) // blocks_per_chunk)
-    return count
 
 
 def chunk_block_ranges(
