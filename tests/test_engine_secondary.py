@@ -44,6 +44,12 @@ def engine_over(
     return engine, kv
 
 
+def memory_tier(engine: TieringEngine) -> MemoryTier:
+    tier = engine.secondary
+    assert isinstance(tier, MemoryTier)
+    return tier
+
+
 async def settle(engine: TieringEngine, written: int) -> None:
     """Wait until the cascade has written ``written`` chunks."""
     with anyio.fail_after(10):
@@ -102,10 +108,7 @@ async def test_a_slow_tier_drops_cascades_and_never_slows_stores(anyio_backend: 
     store = MemoryStore()
     engine, _ = engine_over(store, chunks=16, cascade_queue=1)
     async with engine:
-        remote = engine._remote
-        assert remote is not None
-        tier = remote.tier
-        assert isinstance(tier, MemoryTier)
+        tier = memory_tier(engine)
         tier.pause()  # writes wait (until the tier's timeout) as a slow store would
         try:
             for i in range(4):
@@ -125,10 +128,7 @@ async def test_a_slow_tier_drops_cascades_and_never_slows_stores(anyio_backend: 
 async def test_a_chunk_being_written_through_is_not_evicted(anyio_backend: str) -> None:
     engine, _ = engine_over(MemoryStore(), chunks=1)
     async with engine:
-        remote = engine._remote
-        assert remote is not None
-        tier = remote.tier
-        assert isinstance(tier, MemoryTier)
+        tier = memory_tier(engine)
         tier.pause()
         try:
             assert (await (await engine.submit_store(keys(1), GPULoadStoreSpec([0])))).success
@@ -144,10 +144,7 @@ async def test_a_tier_that_is_down_misses_and_the_engine_serves_on(anyio_backend
     store = MemoryStore()
     engine, _ = engine_over(store)
     async with engine:
-        remote = engine._remote
-        assert remote is not None
-        tier = remote.tier
-        assert isinstance(tier, MemoryTier)
+        tier = memory_tier(engine)
         tier.set_available(False)
         assert (await (await engine.submit_store(keys(1, 2), GPULoadStoreSpec([0, 1])))).success
         await settle(engine, 2)
@@ -241,17 +238,14 @@ async def test_promotion_never_evicts_the_requests_own_head(anyio_backend: str) 
 async def test_a_reset_waits_for_write_throughs(anyio_backend: str) -> None:
     engine, _ = engine_over(MemoryStore())
     async with engine:
-        remote = engine._remote
-        assert remote is not None
-        tier = remote.tier
-        assert isinstance(tier, MemoryTier)
+        tier = memory_tier(engine)
         tier.pause()
         try:
             assert (await (await engine.submit_store(keys(1), GPULoadStoreSpec([0])))).success
             with pytest.raises(ChunkStateError, match="written through"):
                 engine.reset()
             with anyio.fail_after(10):
-                while not remote.writing:  # the write has started (and waits in the tier)
+                while not tier.statistics().write_calls:  # the write has started (and waits)
                     await anyio.sleep(0.01)
             with pytest.raises(ChunkStateError, match="written through"):
                 engine.reset(force=True)  # a write in progress reads the tier's rows
@@ -268,10 +262,7 @@ async def test_closing_from_another_task_and_cancelling_release_every_pin(
     engine, _ = engine_over(MemoryStore(), chunks=16)
     closed = anyio.Event()
     async with engine:
-        remote = engine._remote
-        assert remote is not None
-        tier = remote.tier
-        assert isinstance(tier, MemoryTier)
+        tier = memory_tier(engine)
         tier.pause()
         for i in range(3):
             assert (await (await engine.submit_store(keys(i), GPULoadStoreSpec([i])))).success
@@ -295,10 +286,7 @@ async def test_a_cancelled_owner_releases_every_pin(anyio_backend: str) -> None:
     engine, _ = engine_over(MemoryStore(), chunks=16)
     with anyio.move_on_after(0.5):
         async with engine:
-            remote = engine._remote
-            assert remote is not None
-            tier = remote.tier
-            assert isinstance(tier, MemoryTier)
+            tier = memory_tier(engine)
             tier.pause()  # writes wait for their timeout; the owner is cancelled first
             for i in range(4):
                 assert (await (await engine.submit_store(keys(i), GPULoadStoreSpec([i])))).success
