@@ -471,11 +471,14 @@ class Scheduler:
                 f"{len(self._group_num_blocks)}; give one group size per KV-cache group"
             )
         bpc = self._bpc
+        store = kind is JobKind.STORE
+        whole = len(sizes) == 1  # one group: its ids are the whole array
         chunks = nbytes = start = 0
-        for g, (size, first) in enumerate(zip(sizes, gpu.block_indices.tolist(), strict=True)):
+        for g, first in enumerate(gpu.block_indices.tolist()):
+            size = sizes[g]
             if not size:
                 continue
-            if kind is JobKind.STORE and first % bpc:
+            if store and first % bpc:
                 raise SpecError(
                     f"a store of group {g} starts at block {first}, inside a chunk of {bpc} "
                     "blocks; stores copy whole chunks"
@@ -487,14 +490,14 @@ class Scheduler:
                 )
             chunks += -(-(first % bpc + size) // bpc)
             nbytes += size * self._block_bytes[g]
-            ids = gpu.block_ids[start : start + size]
+            ids = gpu.block_ids if whole else gpu.block_ids[start : start + size]
             top = id_bounds(ids)[1]
             if top >= self._group_num_blocks[g]:
                 raise SpecError(
                     f"GPU block id {top} of group {g} is past the end of the KV cache "
                     f"({self._group_num_blocks[g]} blocks)"
                 )
-            if kind is JobKind.LOAD and (dup := first_duplicate(ids)) is not None:
+            if not store and size > 1 and (dup := first_duplicate(ids)) is not None:
                 raise SpecError(
                     f"a load names GPU block id {dup} of group {g} more than once; "
                     "every destination block must be distinct"
@@ -584,11 +587,15 @@ class Scheduler:
 
     async def flush(self, block_ids: Sequence[int] | IntArray) -> None:
         """Return once no store submitted before this call still reads ``block_ids``."""
-        ids = np.asarray(block_ids, dtype=np.int64)
+        if not self._stores:
+            return
+        # A set, and each store's blocks as a list: numpy's isin costs tens of
+        # microseconds per call whatever the size, and a flush follows every request.
+        wanted = set(np.asarray(block_ids, dtype=np.int64).tolist())
         waiting = [
             job
             for job in self._stores.values()
-            if job.blocks is not None and bool(np.isin(job.blocks, ids).any())
+            if job.blocks is not None and not wanted.isdisjoint(job.blocks.tolist())
         ]
         for job in waiting:
             await job.wait()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Self
+from typing import Self, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -36,6 +36,8 @@ __all__ = [
 
 IntArray = npt.NDArray[np.int64]
 
+_INT64 = np.dtype(np.int64)
+
 
 def as_id_array(values: Sequence[int] | npt.NDArray[np.integer], what: str) -> IntArray:
     """``values`` as a 1-D int64 array of non-negative ids, or a `SpecError` naming ``what``."""
@@ -50,6 +52,11 @@ def as_id_array(values: Sequence[int] | npt.NDArray[np.integer], what: str) -> I
             return np.array(values, dtype=np.int64)
         except OverflowError:
             pass  # past int64: the checks below say so
+    if type(values) is np.ndarray and values.dtype is _INT64 and values.ndim == 1:
+        own = cast(IntArray, values.copy())  # a caller's later writes don't leak in
+        if len(own) and (low := id_bounds(own)[0]) < 0:
+            raise SpecError(f"{what} must be non-negative, got {low}")
+        return own
     arr = np.asarray(values)
     if arr.ndim != 1:
         raise SpecError(f"{what} must be a 1-D sequence of integers, got shape {arr.shape}")

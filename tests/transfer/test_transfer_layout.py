@@ -183,3 +183,14 @@ def test_negative_ids_are_refused_before_any_byte_moves() -> None:
     gpu.block_ids = np.array([-2], dtype=np.int64)  # as a trusting caller could build it
     with pytest.raises(SpecError, match="block id -2 is negative"):
         layout.plan(CPULoadStoreSpec([1]), gpu, 4)
+
+
+def test_a_spec_from_an_int64_array_owns_its_ids_and_refuses_negatives() -> None:
+    ids = np.array([5, 6, 7], dtype=np.int64)
+    spec = GPULoadStoreSpec(ids[1:])
+    ids[1] = 99  # the caller reuses its array: the spec keeps what it was given
+    assert spec.block_ids.tolist() == [6, 7]
+    with pytest.raises(SpecError, match="block_ids must be non-negative, got -3"):
+        GPULoadStoreSpec(np.array([4, -3], dtype=np.int64))
+    with pytest.raises(SpecError, match="chunk_ids|block_ids must be non-negative, got -1"):
+        CPULoadStoreSpec(np.array([-1], dtype=np.int64))

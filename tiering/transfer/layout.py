@@ -239,33 +239,35 @@ class KVLayout:
         store = direction is TransferDirection.STORE
         gpu = cast(GPULoadStoreSpec, src if store else dst)
         cpu = cast(CPULoadStoreSpec, dst if store else src)
-        if len(gpu.group_sizes) != self.num_groups:
+        sizes = gpu.group_sizes.tolist()
+        if len(sizes) != self.num_groups:
             raise SpecError(
-                f"the GPU spec has {len(gpu.group_sizes)} groups "
-                f"(group_sizes={gpu.group_sizes.tolist()}) but the layout has {self.num_groups}"
+                f"the GPU spec has {len(sizes)} groups "
+                f"(group_sizes={sizes}) but the layout has {self.num_groups}"
             )
-        chunk_ids = cpu.chunk_ids
-        if len(chunk_ids):
+        chunk_ids = cpu.block_ids
+        num_ids = len(chunk_ids)
+        if num_ids:
             low, high = id_bounds(chunk_ids)
             if low < 0:
                 raise SpecError(f"chunk id {low} is negative")
             if high >= num_chunks:
                 bad = int(chunk_ids[int(np.argmax(chunk_ids >= num_chunks))])
                 raise SpecError(f"chunk id {bad} is past the pool, which has {num_chunks} chunks")
-        if direction is TransferDirection.STORE:
-            _check_unique(chunk_ids, "chunk id", "the destination")
+            if store and num_ids > 1:
+                _check_unique(chunk_ids, "chunk id", "the destination")
         bpc = self.blocks_per_chunk
         groups: list[GroupPlan] = []
         used_chunks = 0
         nbytes = 0
-        sizes, firsts = gpu.group_sizes.tolist(), gpu.block_indices.tolist()
+        firsts = gpu.block_indices.tolist()
+        whole = len(sizes) == 1  # one group: its blocks and chunks are the whole arrays
         start = 0
-        for g in range(self.num_groups):
-            n = sizes[g]
-            blocks = gpu.block_ids[start : start + n]
+        for g, n in enumerate(sizes):
+            blocks = gpu.block_ids if whole else gpu.block_ids[start : start + n]
             start += n
             skip = firsts[g] % bpc
-            if direction is TransferDirection.STORE and skip:
+            if store and skip:
                 raise SpecError(
                     f"group {g}: a store must start at a chunk boundary, but block_indices[{g}]="
                     f"{firsts[g]} is not a multiple of blocks_per_chunk={bpc}"
@@ -275,18 +277,19 @@ class KVLayout:
                     f"group {g}: {n} blocks starting {skip} into a chunk do not end at a chunk "
                     f"boundary (blocks_per_chunk={bpc}); a job moves whole chunks"
                 )
-            limit = self.group_num_blocks[g]
             if n:
+                limit = self.group_num_blocks[g]
                 low, high = id_bounds(blocks)
                 if low < 0:
                     raise SpecError(f"group {g}: block id {low} is negative")
                 if high >= limit:
                     bad = int(blocks[int(np.argmax(blocks >= limit))])
                     raise SpecError(f"group {g}: block id {bad} is past the end ({limit} blocks)")
-            if direction is TransferDirection.LOAD:
-                _check_unique(blocks, f"group {g}: GPU block id", "the destination")
+                if not store and n > 1:
+                    _check_unique(blocks, f"group {g}: GPU block id", "the destination")
             k = (skip + n) // bpc
-            chunks = chunk_ids[used_chunks : used_chunks + k]
+            whole_ids = whole and k == num_ids  # skip the slice: a numpy call per job
+            chunks = chunk_ids if whole_ids else chunk_ids[used_chunks : used_chunks + k]
             used_chunks += k
             if len(chunks) < k:
                 break
@@ -296,11 +299,11 @@ class KVLayout:
                 slots = (chunks[:, None] * bpc + self._chunk_pages).reshape(-1)[skip : skip + n]
             groups.append(GroupPlan(group=g, blocks=blocks, slots=slots))
             nbytes += n * self.group_block_bytes[g]
-        if used_chunks != len(chunk_ids):
+        if used_chunks != num_ids:
             raise SpecError(
                 f"the GPU spec covers {used_chunks} chunks (group_sizes="
-                f"{gpu.group_sizes.tolist()}, block_indices={gpu.block_indices.tolist()}, "
-                f"blocks_per_chunk={bpc}) but the CPU spec names {len(chunk_ids)}"
+                f"{sizes}, block_indices={firsts}, "
+                f"blocks_per_chunk={bpc}) but the CPU spec names {num_ids}"
             )
         return TransferPlan(direction=direction, groups=tuple(groups), nbytes=nbytes)
 
