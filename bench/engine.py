@@ -13,11 +13,21 @@
    replay's own work costs (the emulated compute, which writes every stored
    page once more, the per-request Python, and the waits between steps).
 
-Like a server after start-up, the process freezes its start-up heap out of the
-garbage collector (`gc.freeze`, as vLLM does) before measuring; ``--no-freeze``
-measures without it.
+   Beside them, the same backend alone on the same jobs with the replay's
+   emulated compute (each store's pages filled from their keys just before it
+   is submitted): what the replay could reach with no per-request Python.
 
-    python bench/engine.py [--jobs N] [--requests N] [--json] [--no-freeze]
+Each row is run ``--repeat`` times, interleaved, and the best run counts (as in
+the other benchmarks: these machines are noisy, and interference only ever
+slows a run down); the median is printed beside it. Like a server after
+start-up, the process freezes its start-up heap out of the garbage collector
+(`gc.freeze`, as vLLM does) before measuring; ``--no-freeze`` measures without
+it.
+
+Targets (issue #4): per-job overhead <= 50 us with the mock backend; replay
+>= 0.7 of the backend alone.
+
+    python bench/engine.py [--jobs N] [--requests N] [--repeat N] [--json] [--no-freeze]
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ import argparse
 import contextlib
 import gc
 import json
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -52,6 +63,9 @@ from tiering.workload import chat_workload, read_trace
 
 TRACE = Path(__file__).resolve().parents[1].parent / "shared/traces/conversation_trace.jsonl"
 PAGE_WORDS = 512  # 4 KiB blocks for the overhead runs
+TARGET_US = 50.0
+TARGET_RATIO = 0.7
+MIX = 0x9E3779B97F4A7C15 - (1 << 64)  # the replay's seed multiplier (a signed int64)
 
 
 class InlineBackend:
@@ -94,7 +108,8 @@ def _engine(backend: str) -> TieringEngine:
     return engine
 
 
-async def overhead(backend: str, jobs: int, window: int) -> dict[str, Any]:
+async def overhead(backend: str, jobs: int, window: int) -> dict[str, float]:
+    """Seconds per job: pipelined (wall and CPU of all threads) and one at a time."""
     engine = _engine(backend)
     keys = [make_offload_key(i.to_bytes(8, "big")) for i in range(2 * jobs)]
     spec = GPULoadStoreSpec([1])
@@ -116,13 +131,21 @@ async def overhead(backend: str, jobs: int, window: int) -> dict[str, Any]:
         for i in range(jobs, jobs + n):
             await engine.submit_store_nowait([keys[i]], spec)
         sequential = (time.perf_counter() - start) / n
+    return {"pipelined": pipelined, "cpu": cpu, "sequential": sequential}
+
+
+def overhead_row(backend: str, runs: list[dict[str, float]]) -> dict[str, Any]:
+    best = min(runs, key=lambda r: r["pipelined"])
+    median = statistics.median(r["pipelined"] for r in runs)
     return {
         "bench": "overhead",
         "backend": backend,
-        "jobs_per_s": round(1 / pipelined),
-        "overhead_us": round(pipelined * 1e6, 1),
-        "cpu_us": round(cpu * 1e6, 1),
-        "sequential_us": round(sequential * 1e6, 1),
+        "jobs_per_s": round(1 / best["pipelined"]),
+        "overhead_us": round(best["pipelined"] * 1e6, 1),
+        "median_us": round(median * 1e6, 1),
+        "cpu_us": round(best["cpu"] * 1e6, 1),
+        "sequential_us": round(min(r["sequential"] for r in runs) * 1e6, 1),
+        "runs": len(runs),
     }
 
 
@@ -148,14 +171,17 @@ class _Recorder:
         return contextlib.nullcontext()
 
 
-def backend_throughput(recorder: _Recorder, window: int = 64) -> float:
+def backend_throughput(recorder: _Recorder, *, compute: bool = False, window: int = 64) -> float:
     """GB/s of the cpu backend alone on the replay's own jobs, in the same order.
 
     The same KV tensor shape and pool size, the pool faulted in first (as the
     engine does), at most ``window`` jobs in flight: only the replay's own
     work (the emulated compute, the per-request Python, the waits) is left out.
+    With ``compute``, each store's pages are filled as the replay computes
+    them (one broadcast add of per-page seeds) just before it is submitted.
     """
     kv = torch.ones(recorder.kv_shape, dtype=torch.int64)
+    base = torch.arange(kv.shape[1], dtype=torch.int64)
     page_bytes = kv[0].numel() * kv.element_size()
     layout = KVLayout([KVCacheTensor(kv, kv.shape[0], page_bytes)], 1)
     pool = HostMemoryPool(recorder.pool_bytes, populate=True)
@@ -166,6 +192,11 @@ def backend_throughput(recorder: _Recorder, window: int = 64) -> float:
         for j, (src, dst) in enumerate(recorder.jobs):
             if j >= window:
                 backend.wait([j - window])
+            if compute and isinstance(src, GPULoadStoreSpec):
+                rows = src.block_ids  # a request's blocks: consecutive rows
+                first = int(rows[0])
+                seeds = torch.arange(first, first + len(rows), dtype=torch.int64)[:, None]
+                torch.add(seeds.mul_(MIX), base, out=kv[first : first + len(rows)])
             backend.submit(j, src, dst)
             moved += layout.plan(src, dst, layout.num_chunks(pool.nbytes)).nbytes
         backend.wait(range(len(recorder.jobs)))
@@ -176,23 +207,40 @@ def backend_throughput(recorder: _Recorder, window: int = 64) -> float:
     return moved / seconds / 1e9
 
 
-def replay_row(requests: int) -> dict[str, Any]:
+def replay_once(requests: int) -> dict[str, float]:
     workload = read_trace(TRACE, limit=requests) if TRACE.exists() else chat_workload(requests)
     options = ReplayOptions(capacity_tokens=3_000_000, concurrency=4)
     recorder = _Recorder()
     result = anyio.run(lambda: replay(workload, options, on_open=recorder))
     moved = result.store_bytes + result.load_bytes
-    replay_gbps = moved / result.seconds / 1e9
-    limit = backend_throughput(recorder)
+    return {
+        "gbps": moved / result.seconds / 1e9,
+        "backend_gbps": backend_throughput(recorder),
+        "backend_compute_gbps": backend_throughput(recorder, compute=True),
+        "requests": result.requests,
+        "hit_rate": result.hit_rate,
+        "seconds": result.seconds,
+    }
+
+
+def replay_row(runs: list[dict[str, float]]) -> dict[str, Any]:
+    """Best replay over best backend alone (each the best of its runs)."""
+    best = max(runs, key=lambda r: r["gbps"])
+    limit = max(r["backend_gbps"] for r in runs)
+    with_compute = max(r["backend_compute_gbps"] for r in runs)
+    ratios = [r["gbps"] / r["backend_gbps"] for r in runs]
     return {
         "bench": "replay",
-        "backend": result.backend,
-        "requests": result.requests,
-        "gbps": round(replay_gbps, 3),
+        "backend": "cpu",
+        "requests": int(best["requests"]),
+        "gbps": round(best["gbps"], 3),
         "backend_gbps": round(limit, 3),
-        "ratio": round(replay_gbps / limit, 3),
-        "hit_rate": round(result.hit_rate, 4),
-        "seconds": round(result.seconds, 2),
+        "backend_compute_gbps": round(with_compute, 3),
+        "ratio": round(best["gbps"] / limit, 3),
+        "median_ratio": round(statistics.median(ratios), 3),
+        "hit_rate": round(best["hit_rate"], 4),
+        "seconds": round(best["seconds"], 2),
+        "runs": len(runs),
     }
 
 
@@ -201,19 +249,20 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=20_000)
     parser.add_argument("--window", type=int, default=256)
     parser.add_argument("--requests", type=int, default=2_000)
+    parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--no-freeze", action="store_true")
     args = parser.parse_args()
     if not args.no_freeze:
         gc.collect()
         gc.freeze()
-    rows: list[dict[str, Any]] = []
-
-    def run(backend: str) -> dict[str, Any]:
-        return anyio.run(overhead, backend, args.jobs, args.window)
-
-    rows += [run("inline"), run("mock")]
-    rows.append(replay_row(args.requests))
+    runs: dict[str, list[dict[str, float]]] = {"inline": [], "mock": [], "replay": []}
+    for _ in range(args.repeat):
+        for backend in ("inline", "mock"):
+            runs[backend].append(anyio.run(overhead, backend, args.jobs, args.window))
+        runs["replay"].append(replay_once(args.requests))
+    rows = [overhead_row("inline", runs["inline"]), overhead_row("mock", runs["mock"])]
+    rows.append(replay_row(runs["replay"]))
     if args.json:
         for row in rows:
             print(json.dumps(row))
@@ -221,12 +270,21 @@ def main() -> None:
     for row in rows[:2]:
         print(
             f"per job, {row['backend']:>6} backend: {row['overhead_us']:7.1f} us pipelined "
-            f"({row['jobs_per_s']:,} jobs/s; {row['cpu_us']:.1f} us of CPU in all threads), "
-            f"{row['sequential_us']:.1f} us one at a time"
+            f"(median {row['median_us']:.1f}; {row['jobs_per_s']:,} jobs/s; {row['cpu_us']:.1f} us "
+            f"of CPU in all threads), {row['sequential_us']:.1f} us one at a time"
         )
     r = rows[2]
-    print(f"replay of {r['requests']:,} requests: {r['gbps']:.2f} GB/s moved, cpu backend alone "
-          f"{r['backend_gbps']:.2f} GB/s, ratio {r['ratio']:.2f}")  # fmt: skip
+    print(
+        f"replay of {r['requests']:,} requests: {r['gbps']:.2f} GB/s moved, cpu backend alone "
+        f"{r['backend_gbps']:.2f} GB/s (with the replay's compute "
+        f"{r['backend_compute_gbps']:.2f}), ratio {r['ratio']:.2f} (median {r['median_ratio']:.2f})"
+    )
+    mock = rows[1]["overhead_us"]
+    print(
+        f"targets: mock overhead {mock:.1f} <= {TARGET_US} us: "
+        f"{'met' if mock <= TARGET_US else 'MISSED'}; replay ratio {r['ratio']:.2f} >= "
+        f"{TARGET_RATIO}: {'met' if r['ratio'] >= TARGET_RATIO else 'MISSED'}"
+    )
 
 
 if __name__ == "__main__":
