@@ -100,7 +100,7 @@ def _engine(backend: str) -> TieringEngine:
     options = ReplayOptions(bytes_per_token=8, block_tokens=512)
     kv = torch.zeros((64, PAGE_WORDS), dtype=torch.int64)
     engine = TieringEngine(
-        replay_config(options), {"kv": kv}, cpu_bytes=1 << 30, backend="mock",
+        replay_config(options), {"kv": kv}, cpu_bytes=256 << 20, backend="mock",
         backend_options={"copy": False},
     )  # fmt: skip
     if backend == "inline":

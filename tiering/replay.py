@@ -147,7 +147,9 @@ class _Pages:
     """Deterministic page contents derived from chunk keys, and their checks.
 
     A request's blocks are a contiguous range of rows of the emulated KV cache,
-    so "computing" them is one in-place broadcast add (no temporary, no index).
+    so "computing" them is one in-place broadcast add (no temporary, no index)
+    of the request's per-key seeds (`seeds`, derived once per request before
+    the replay starts, as its keys are) to a ramp.
     """
 
     def __init__(self, kv: torch.Tensor) -> None:
@@ -155,22 +157,26 @@ class _Pages:
         self.base = torch.arange(kv.shape[1], dtype=torch.int64)
 
     @staticmethod
-    def seeds(keys: Sequence[OffloadKey]) -> torch.Tensor:
-        values = [int.from_bytes(k[:8], "big", signed=True) ^ len(k) for k in keys]
-        return torch.tensor(values, dtype=torch.int64).mul_(_MIX)[:, None]
+    def seeds(request_keys: Sequence[Sequence[OffloadKey]]) -> list[torch.Tensor]:
+        """Per request, a column of one seed per key (a view into one tensor for them all)."""
+        values = [
+            int.from_bytes(k[:8], "big", signed=True) ^ len(k) for r in request_keys for k in r
+        ]
+        column = torch.tensor(values, dtype=torch.int64).mul_(_MIX)[:, None]
+        return list(torch.split(column, [len(r) for r in request_keys]))
 
-    def fill(self, start: int, keys: Sequence[OffloadKey]) -> None:
-        """Write the pages of ``keys`` into rows ``start, start + 1, ...``."""
-        torch.add(self.seeds(keys), self.base, out=self.kv[start : start + len(keys)])
+    def fill(self, start: int, seeds: torch.Tensor) -> None:
+        """Write the pages of the keys of ``seeds`` into rows ``start, start + 1, ...``."""
+        torch.add(seeds, self.base, out=self.kv[start : start + len(seeds)])
 
     def poison(self, start: int, count: int) -> None:
         """Fill rows with a constant that no key derives."""
         self.kv[start : start + count].fill_(_POISON)
 
-    def corrupt(self, start: int, keys: Sequence[OffloadKey]) -> int:
+    def corrupt(self, start: int, seeds: torch.Tensor) -> int:
         """How many of the rows from ``start`` do not hold exactly the bytes of their key."""
-        got = self.kv[start : start + len(keys)]
-        return int(got.ne(self.seeds(keys) + self.base).any(dim=1).sum())
+        got = self.kv[start : start + len(seeds)]
+        return int(got.ne(seeds + self.base).any(dim=1).sum())
 
 
 class _Tally:
@@ -248,6 +254,7 @@ async def replay(
         remote_namespace=options.remote_namespace,
     )
     pages = _Pages(kv)
+    request_seeds = _Pages.seeds(request_keys)
     tally = _Tally()
     order = iter(range(len(request_keys)))
 
@@ -255,7 +262,7 @@ async def replay(
         first = worker * max_blocks  # this worker's region: rows first .. first + max_blocks
         region = np.arange(first, first + max_blocks, dtype=np.int64)
         for index in order:
-            keys = request_keys[index]
+            keys, seeds = request_keys[index], request_seeds[index]
             blocks = region[: len(keys)]
             hits = engine.lookup(keys).ready
             from_remote = 0
@@ -278,13 +285,13 @@ async def replay(
             tally.remote_hit_blocks += from_remote if hits else 0  # part of these hits
             store: JobHandle | None = None
             if hits < len(keys):
-                pages.fill(first + hits, keys[hits:])  # "compute" what was not loaded
+                pages.fill(first + hits, seeds[hits:])  # "compute" what was not loaded
                 store = await engine.submit_store(keys[hits:], GPULoadStoreSpec(blocks[hits:]))
             if load is not None:
                 result = await load
                 tally.add(result, load=True)
                 if options.verify and result.success:
-                    tally.corrupt += pages.corrupt(first, keys[:hits])
+                    tally.corrupt += pages.corrupt(first, seeds[:hits])
             await engine.flush(blocks)  # the store has read the blocks: it is done
             if store is not None:
                 tally.add(await store, load=False)
