@@ -242,7 +242,7 @@ class JobHandle:
         return await self._job.wait()
 
     def __await__(self) -> Generator[Any, None, JobResult]:
-        return self.wait().__await__()
+        return self._job.wait().__await__()
 
     def __repr__(self) -> str:
         job = self._job

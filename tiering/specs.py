@@ -72,12 +72,12 @@ def as_id_array(values: Sequence[int] | npt.NDArray[np.integer], what: str) -> I
 
 #: Below this many ids, checks run on a Python list: a numpy reduction costs a
 #: few microseconds whatever the size, and most jobs name a few dozen ids.
-_SMALL = 128
+SMALL_IDS = 128
 
 
 def id_bounds(ids: IntArray) -> tuple[int, int]:
     """``(min, max)`` of a non-empty id array."""
-    if len(ids) <= _SMALL:
+    if len(ids) <= SMALL_IDS:
         values = ids.tolist()
         return min(values), max(values)
     return int(ids.min()), int(ids.max())
@@ -87,7 +87,7 @@ def first_duplicate(ids: IntArray) -> int | None:
     """An id that appears more than once in ``ids``, or ``None``."""
     if len(ids) < 2:
         return None
-    if len(ids) <= _SMALL:
+    if len(ids) <= SMALL_IDS:
         values = ids.tolist()
         if len(set(values)) == len(values):
             return None

@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from tiering.errors import ResourceClosedError, SpecError
-from tiering.specs import IntArray, LoadStoreSpec
+from tiering.specs import SMALL_IDS, IntArray, LoadStoreSpec
 from tiering.transfer.base import DEFAULT_MAX_IN_FLIGHT, CompletionCallback
 from tiering.transfer.layout import (
     GroupPlan,
@@ -59,6 +59,7 @@ from tiering.transfer.layout import (
     TransferDirection,
     TransferPlan,
     run_bounds,
+    small_run_bounds,
 )
 from tiering.transfer.memory import HostMemoryPool
 from tiering.transfer.worker import ThreadedBackend, ThreadedJob
@@ -242,22 +243,24 @@ class _GroupOps:
         self.store = direction is TransferDirection.STORE
         self.tensors = layout.group_tensors[group.group]
         self.nbytes = len(group.blocks) * layout.group_block_bytes[group.group]
-        starts = bounds[:-1]
-        self.lengths: list[int] = np.diff(bounds).tolist()
+        # Lists, not numpy: a job has a few runs, and each numpy call costs
+        # microseconds of this copy thread holding the GIL.
+        edges = bounds.tolist()
+        starts = edges[:-1]
+        self.lengths: list[int] = [b - a for a, b in zip(starts, edges[1:], strict=True)]
         sliced, indexed = (
             (group.blocks, group.slots)
             if self.split is _Split.BLOCKS
             else (group.slots, group.blocks)
         )
-        self.firsts: list[int] = sliced[starts].tolist()
-        self.others: list[int] = indexed[starts].tolist()
+        sliced_ids, indexed_ids = sliced.tolist(), indexed.tolist()
+        self.firsts: list[int] = [sliced_ids[i] for i in starts]
+        self.others: list[int] = [indexed_ids[i] for i in starts]
         self.gather = self.store == (self.split is _Split.SLOTS)  # sliced side = destination
         self.idx: list[torch.Tensor] = []
         if self.split is not _Split.BOTH:
             index = _index_tensor(indexed)
-            self.idx = [
-                index.narrow(0, i, n) for i, n in zip(starts.tolist(), self.lengths, strict=True)
-            ]
+            self.idx = [index.narrow(0, i, n) for i, n in zip(starts, self.lengths, strict=True)]
 
 
 def _index_tensor(ids: IntArray) -> torch.Tensor:
@@ -267,21 +270,21 @@ def _index_tensor(ids: IntArray) -> torch.Tensor:
 
 def _choose_split(group: GroupPlan, direction: TransferDirection) -> tuple[_Split, IntArray]:
     """The split with the fewest runs; ties go to plain copies, then gathers."""
-    by_slots = run_bounds(group.slots)
-    by_blocks = run_bounds(group.blocks)
-    both = np.union1d(by_slots, by_blocks)
-    gather_first = (
-        (_Split.SLOTS, by_slots)
-        if direction is TransferDirection.STORE
-        else (_Split.BLOCKS, by_blocks)
-    )
-    scatter = (
-        (_Split.BLOCKS, by_blocks)
-        if direction is TransferDirection.STORE
-        else (_Split.SLOTS, by_slots)
-    )
+    by_slots: IntArray | list[int]
+    by_blocks: IntArray | list[int]
+    both: IntArray | list[int]
+    if len(group.slots) <= SMALL_IDS:  # in Python: see `small_run_bounds`
+        by_slots, by_blocks = small_run_bounds(group.slots), small_run_bounds(group.blocks)
+        both = sorted({*by_slots, *by_blocks})
+    else:
+        by_slots, by_blocks = run_bounds(group.slots), run_bounds(group.blocks)
+        both = np.union1d(by_slots, by_blocks)
+    store = direction is TransferDirection.STORE
+    gather_first = (_Split.SLOTS, by_slots) if store else (_Split.BLOCKS, by_blocks)
+    scatter = (_Split.BLOCKS, by_blocks) if store else (_Split.SLOTS, by_slots)
     options = [(_Split.BOTH, both), gather_first, scatter]
-    return min(options, key=lambda o: len(o[1]))
+    split, bounds = min(options, key=lambda o: len(o[1]))
+    return split, np.asarray(bounds, dtype=np.int64)
 
 
 class CpuBackend(ThreadedBackend):

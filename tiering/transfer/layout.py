@@ -44,7 +44,14 @@ import torch
 
 from tiering.cpu.common import CPULoadStoreSpec
 from tiering.errors import SpecError
-from tiering.specs import GPULoadStoreSpec, IntArray, LoadStoreSpec, first_duplicate, id_bounds
+from tiering.specs import (
+    SMALL_IDS,
+    GPULoadStoreSpec,
+    IntArray,
+    LoadStoreSpec,
+    first_duplicate,
+    id_bounds,
+)
 
 __all__ = [
     "GroupPlan",
@@ -54,6 +61,7 @@ __all__ = [
     "TransferPlan",
     "job_direction",
     "run_bounds",
+    "small_run_bounds",
 ]
 
 #: Rows start on host page boundaries (DMA-friendly; fits O_DIRECT for later tiers).
@@ -134,10 +142,24 @@ def job_direction(src: LoadStoreSpec, dst: LoadStoreSpec) -> TransferDirection:
 
 def run_bounds(ids: IntArray) -> IntArray:
     """Bounds of the maximal runs of consecutive ids: run ``k`` is ``ids[b[k]:b[k+1]]``."""
-    if len(ids) == 0:
-        return np.zeros(1, dtype=np.int64)
+    if len(ids) <= SMALL_IDS:
+        return np.array(small_run_bounds(ids), dtype=np.int64)
     breaks = np.flatnonzero(np.diff(ids) != 1) + 1
     return np.concatenate(([0], breaks, [len(ids)])).astype(np.int64)
+
+
+def small_run_bounds(ids: IntArray) -> list[int]:
+    """`run_bounds` of a few ids, as a list, computed in Python.
+
+    Most jobs name a few dozen ids, where numpy's diff, flatnonzero and
+    concatenate cost several microseconds each (in a copy thread, holding the
+    GIL the event loop needs), and a Python loop a fraction of that.
+    """
+    values = ids.tolist()
+    n = len(values)
+    if not n:
+        return [0]
+    return [0, *[i for i in range(1, n) if values[i] != values[i - 1] + 1], n]
 
 
 class KVLayout:
