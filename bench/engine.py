@@ -28,6 +28,13 @@ Targets (issue #4): per-job overhead <= 50 us with the mock backend; replay
 >= 0.7 of the backend alone.
 
     python bench/engine.py [--jobs N] [--requests N] [--repeat N] [--json] [--no-freeze]
+        [--bytes-per-token B] [--cpu-bytes B]
+
+The replay's default KV size (128 bytes per token, 64 KiB pages) keeps `make
+run` quick; real models hold tens of KiB per token. With larger pages the
+emulated compute grows with the bytes, and the "with compute" column shows how
+much of the backend it leaves: e.g. ``--bytes-per-token 1024 --requests 500
+--cpu-bytes 2147483648``.
 """
 
 from __future__ import annotations
@@ -207,9 +214,14 @@ def backend_throughput(recorder: _Recorder, *, compute: bool = False, window: in
     return moved / seconds / 1e9
 
 
-def replay_once(requests: int) -> dict[str, float]:
+def replay_once(requests: int, bytes_per_token: int, cpu_bytes: int | None) -> dict[str, float]:
     workload = read_trace(TRACE, limit=requests) if TRACE.exists() else chat_workload(requests)
-    options = ReplayOptions(capacity_tokens=3_000_000, concurrency=4)
+    options = ReplayOptions(
+        capacity_tokens=3_000_000,
+        cpu_bytes=cpu_bytes,
+        bytes_per_token=bytes_per_token,
+        concurrency=4,
+    )
     recorder = _Recorder()
     result = anyio.run(lambda: replay(workload, options, on_open=recorder))
     moved = result.store_bytes + result.load_bytes
@@ -250,6 +262,13 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=256)
     parser.add_argument("--requests", type=int, default=2_000)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument(
+        "--bytes-per-token",
+        type=int,
+        default=ReplayOptions().bytes_per_token,
+        help="KV bytes per token of the replay (its pages are 512 tokens)",
+    )
+    parser.add_argument("--cpu-bytes", type=int, help="CPU tier of the replay (default 3M tokens)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--no-freeze", action="store_true")
     args = parser.parse_args()
@@ -260,7 +279,7 @@ def main() -> None:
     for _ in range(args.repeat):
         for backend in ("inline", "mock"):
             runs[backend].append(anyio.run(overhead, backend, args.jobs, args.window))
-        runs["replay"].append(replay_once(args.requests))
+        runs["replay"].append(replay_once(args.requests, args.bytes_per_token, args.cpu_bytes))
     rows = [overhead_row("inline", runs["inline"]), overhead_row("mock", runs["mock"])]
     rows.append(replay_row(runs["replay"]))
     if args.json:
