@@ -229,10 +229,15 @@ async def test_promotion_never_evicts_the_requests_own_head(anyio_backend: str) 
         promotion = await second.promote(keys(1, 2, 3), start=1)
         assert promotion == Promotion(1, 1)
         assert second.manager.holds(keys(1)[0], ready=True)
+        # The longer run it tried first found no room: not an allocation failure.
+        assert second.manager.statistics().allocation_failures_total == 0
         loaded = await second.submit_load(
             keys(1, 2, 3)[: 1 + promotion.ready], GPULoadStoreSpec(list(range(1 + promotion.ready)))
         )
         assert (await loaded).success
+        # The tier holds only the request's head, which is never evicted for it: no room.
+        assert await second.promote(keys(1, 2, 3), start=2) == Promotion(0, 0)
+        assert second.manager.statistics().allocation_failures_total == 1
 
 
 async def test_a_reset_waits_for_write_throughs(anyio_backend: str) -> None:

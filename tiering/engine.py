@@ -445,11 +445,14 @@ class _Remote:
         """Read ``wanted`` into fresh slots; the request's ``head`` is never evicted for them."""
         manager = self._manager
         job = ("promote", next(self._jobs))
-        output = manager.prepare_store([*head, *wanted], job=job)
-        while output is None and len(wanted) > 1:  # no room for all: try a shorter run
+        # No room for all: try a shorter run. One promotion that finds no room
+        # at all is one allocation failure, however many sizes it tried.
+        output = manager.prepare_store([*head, *wanted], job=job, count=False)
+        while output is None and len(wanted) > 1:
             wanted = wanted[: len(wanted) // 2]
-            output = manager.prepare_store([*head, *wanted], job=job)
+            output = manager.prepare_store([*head, *wanted], job=job, count=False)
         if output is None:
+            manager.count_allocation_failure()
             return 0  # no room in the CPU tier: the request recomputes
         new = output.keys_to_store
         ids = output.store_spec.chunk_ids.tolist()

@@ -337,7 +337,7 @@ class CPUOffloadingManager:
     # -- stores ---------------------------------------------------------------
 
     def prepare_store(
-        self, keys: Iterable[OffloadKey], *, job: Hashable | None = None
+        self, keys: Iterable[OffloadKey], *, job: Hashable | None = None, count: bool = True
     ) -> PrepareStoreOutput | None:
         """Allocate slots for the keys not in the tier yet, evicting if needed.
 
@@ -348,7 +348,9 @@ class CPUOffloadingManager:
         cannot be made. The new keys join the policy now, in request order and
         protected while they are written, so a request's recency is right
         whenever its store lands. With a ``job`` id, ``complete_store(job=...)``
-        completes exactly this call's keys, once.
+        completes exactly this call's keys, once. ``count=False`` leaves a
+        refusal out of ``allocation_failures_total`` (a caller trying smaller
+        sets counts its own final refusal with `count_allocation_failure`).
         """
         chunks = self._chunks
         offered = dict.fromkeys(keys)
@@ -361,7 +363,8 @@ class CPUOffloadingManager:
         )
         need = len(new_keys) - (self._capacity - len(chunks))
         if need > 0 and self._evictable - len(offered_ready) < need:
-            self._alloc_failures += 1
+            if count:
+                self._alloc_failures += 1
             return None
         if job is not None and job in self._store_jobs:
             raise ChunkStateError(f"store job {job!r} is already in flight; use a new job id")
@@ -442,6 +445,10 @@ class CPUOffloadingManager:
         else:
             self._policy.remove(done)
             self._store_failed += len(done)
+
+    def count_allocation_failure(self) -> None:
+        """Count one store that found no room (after tries made with ``count=False``)."""
+        self._alloc_failures += 1
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         """Commit a request's recency for ``keys``, given head first (the tail is evicted first)."""
