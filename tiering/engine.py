@@ -846,7 +846,9 @@ class TieringEngine:
 
         It yields `SequencedBatch` items, and a `Gap` where it lost its oldest
         batches for being slow (at most ``max_batches`` wait); a slow
-        subscriber never slows the engine. It ends when the engine closes.
+        subscriber never slows the engine. It ends when the engine closes;
+        ``aclose`` it to stop sooner (one dropped without closing stops
+        receiving once it is garbage-collected).
         """
         self._check_open()
         if self._events is None:

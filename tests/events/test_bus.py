@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import anyio
 import pytest
 from anyio import wait_all_tasks_blocked
@@ -154,6 +156,21 @@ async def test_closing_a_subscription_stops_it_at_once() -> None:
         bus.publish(batch(2))  # a closed subscription no longer buffers
         assert subscription.pending == 0
         assert bus.statistics().sinks[0].published_total == 2
+
+
+async def test_a_subscription_dropped_unclosed_stops_costing_the_bus() -> None:
+    async with EventBus() as bus:
+        kept = bus.subscribe()
+        dropped = bus.subscribe()
+        assert bus.subscribers == 2
+        del dropped  # its reader forgot it, never closing it
+        gc.collect()
+        assert bus.subscribers == 1
+        bus.publish(batch(0))
+        assert bus.statistics().sinks[0].published_total == 1  # delivered to one, not two
+        assert await take(kept, 1) == [SequencedBatch(0, batch(0))]
+        await kept.aclose()
+        assert bus.subscribers == 0
 
 
 async def test_cancelled_waits_lose_nothing() -> None:

@@ -20,6 +20,7 @@ twice, and its counts include subscriptions already closed, so they only grow.
 from __future__ import annotations
 
 import enum
+import weakref
 from collections import deque
 from collections.abc import Iterable
 from typing import Protocol
@@ -182,7 +183,9 @@ class EventBus(AsyncResource):
 
     def __init__(self, sinks: Iterable[EventSink] = ()) -> None:
         self._sinks = tuple(sinks)
-        self._subscriptions: set[EventSubscription] = set()
+        # Weak: a subscription its reader dropped without closing stops
+        # buffering (and costing every publish) as soon as it is collected.
+        self._subscriptions: weakref.WeakSet[EventSubscription] = weakref.WeakSet()
         self._state = BusState.OPEN
         self._seq = 0
         self._events = 0
@@ -192,6 +195,11 @@ class EventBus(AsyncResource):
     @property
     def state(self) -> BusState:
         return self._state
+
+    @property
+    def subscribers(self) -> int:
+        """Subscriptions open now (closed and dropped ones are not counted)."""
+        return len(self._subscriptions)
 
     @property
     def next_seq(self) -> int:
@@ -225,9 +233,10 @@ class EventBus(AsyncResource):
         self._seq = seq + 1
         n = len(batch.events)
         self._events += n
-        for subscription in self._subscriptions:
+        subscriptions = list(self._subscriptions)
+        for subscription in subscriptions:
             self._subscriber_dropped += subscription._push(seq, batch)
-        self._subscriber_published += n * len(self._subscriptions)
+        self._subscriber_published += n * len(subscriptions)
         for sink in self._sinks:
             sink.publish(batch)
         return seq
@@ -250,7 +259,7 @@ class EventBus(AsyncResource):
         if self._state is not BusState.OPEN:
             return
         self._state = BusState.CLOSING
-        for subscription in self._subscriptions:
+        for subscription in list(self._subscriptions):
             subscription._end()
         self._subscriptions.clear()
         try:
