@@ -134,13 +134,27 @@ def test_a_late_subscriber_replays_what_the_replay_published(tmp_path: Path) -> 
     assert {x["type"] for x in lines} == {"BlockStored"}  # the tier never filled up
 
 
-def test_events_command_bad_endpoint_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["not-an-endpoint"], "not-an-endpoint"),
+        # An unknown host is refused at once, not waited for (RFC 2606: .invalid never resolves).
+        (["tcp://no-such-host.invalid:5557"], "cannot resolve host 'no-such-host.invalid'"),
+        (
+            ["tcp://127.0.0.1:5557", "--replay-endpoint", "tcp://no-such-host.invalid:5558"],
+            "replay endpoint 'tcp://no-such-host.invalid:5558'",
+        ),
+    ],
+)
+def test_events_command_bad_endpoint_is_one_line(
+    args: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        main(["events", "not-an-endpoint", "--limit", "1"])
+        main(["events", *args, "--limit", "1"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1
-    assert "not-an-endpoint" in err[0]
+    assert named in err[0]
 
 
 def test_replay_endpoint_without_events_endpoint_is_refused(

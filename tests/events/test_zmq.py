@@ -377,6 +377,10 @@ async def test_subscriber_settings_are_checked() -> None:
         ZmqSubscriber("nowhere")
     with pytest.raises(ConfigError, match="cannot connect to replay endpoint 'nowhere'"):
         ZmqSubscriber("tcp://127.0.0.1:1", "nowhere")
+    with pytest.raises(ConfigError, match=r"cannot resolve host 'no-such-host\.invalid'"):
+        ZmqSubscriber("tcp://no-such-host.invalid:1")
+    for numeric in ("tcp://[::1]:1", "tcp://127.0.0.1:1", "tcp://localhost:1"):
+        await ZmqSubscriber(numeric).aclose()  # resolved at once: accepted
     with pytest.raises(ConfigError, match="start_seq must be None or an integer >= 0, got -1"):
         ZmqSubscriber("tcp://127.0.0.1:1", start_seq=-1)
     with pytest.raises(ConfigError, match="idle_replay"):

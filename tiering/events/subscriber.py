@@ -29,6 +29,7 @@ again from 0) is not detected: its batches look like duplicates.
 from __future__ import annotations
 
 import enum
+import socket
 from collections import deque
 
 import anyio
@@ -57,6 +58,27 @@ class SubscriberStatistics(msgspec.Struct, frozen=True, kw_only=True, gc=False):
 class SubscriberState(enum.Enum):
     OPEN = "open"
     CLOSED = "closed"
+
+
+def _check_host(endpoint: str, what: str) -> None:
+    """Resolve the host of a ``tcp://`` endpoint now, or raise `ConfigError` naming it.
+
+    ZeroMQ resolves a connect's host in the background and retries forever,
+    so an unknown host would look like a publisher that is merely quiet.
+    """
+    if not endpoint.startswith("tcp://"):
+        return
+    address = endpoint[len("tcp://") :].rpartition(";")[2]  # after an optional source
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")  # an IPv6 address is bracketed
+    if not host or host == "*":
+        return  # zmq's own check says what is wrong with the address
+    try:
+        socket.getaddrinfo(host, port or None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        raise ConfigError(
+            f"cannot {what} {endpoint!r}: cannot resolve host {host!r} ({exc})"
+        ) from None
 
 
 class ZmqSubscriber(AsyncResource):
@@ -95,9 +117,15 @@ class ZmqSubscriber(AsyncResource):
         self._sub = self._ctx.socket(zmq.SUB)
         self._dealer: zmq.Socket[bytes] | None = None
         try:
+            _check_host(endpoint, "subscribe to endpoint")
+            if replay_endpoint is not None:
+                _check_host(replay_endpoint, "connect to replay endpoint")
             self._sub.setsockopt(zmq.RCVHWM, hwm)
             self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
             self._sub.connect(endpoint)
+        except ConfigError:
+            self._sub.close(linger=0)
+            raise
         except zmq.ZMQError as exc:
             self._sub.close(linger=0)
             raise ConfigError(f"cannot subscribe to endpoint {endpoint!r}: {exc}") from exc
