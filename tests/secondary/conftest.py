@@ -3,8 +3,8 @@
 Every server is this session's own: bound to 127.0.0.1, never on 6379, no
 persistence (``--save '' --appendonly no``), its files in a temporary
 directory, stopped by its pid at the end. Standalone servers, one with ACL
-users, and a three-master Redis Cluster made with ``redis-cli --cluster
-create``. Without ``redis-server`` (or redis-py) the tests that need them skip,
+users, one that also speaks TLS (a certificate made by ``openssl``), and a
+three-master Redis Cluster made with ``redis-cli --cluster create``. Without ``redis-server`` (or redis-py) the tests that need them skip,
 except where ``TIERING_REQUIRE_SERVERS`` is set (CI): there they fail.
 
 Test modules reach all of it through the fixtures, never by importing this file.
@@ -238,6 +238,50 @@ def redis_acl_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Redis
         "~tkv:*",
         "+@all",
     )
+    yield server
+    server.stop()
+
+
+class TlsRedisServer(RedisServer):
+    """A server that also speaks TLS, on `tls_port`, with a self-signed certificate.
+
+    The certificate (for 127.0.0.1) is made by ``openssl`` and is its own CA:
+    ``ca`` is the file a client trusts. Clients need no certificate of their own.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        openssl = _require_binary("openssl", "openssl")
+        directory.mkdir(parents=True, exist_ok=True)
+        self.ca = directory / "cert.pem"
+        key = directory / "key.pem"
+        request = ["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"]
+        subject = ["-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"]
+        files = ["-keyout", str(key), "-out", str(self.ca)]
+        subprocess.run([openssl, *request, *files, *subject], check=True, capture_output=True)
+        self.tls_port = free_port()
+        super().__init__(
+            directory,
+            "--tls-port",
+            str(self.tls_port),
+            "--tls-cert-file",
+            str(self.ca),
+            "--tls-key-file",
+            str(key),
+            "--tls-ca-cert-file",
+            str(self.ca),
+            "--tls-auth-clients",
+            "no",
+        )
+
+    @property
+    def tls_url(self) -> str:
+        return f"rediss://127.0.0.1:{self.tls_port}/0?ssl_ca_certs={self.ca}"
+
+
+@pytest.fixture(scope="session")
+def redis_tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsRedisServer]:
+    require_redis_py()
+    server = TlsRedisServer(tmp_path_factory.mktemp("redis-tls"))
     yield server
     server.stop()
 

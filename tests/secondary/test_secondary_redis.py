@@ -71,6 +71,39 @@ async def test_write_contains_read_byte_for_byte_one_round_trip_each(
         assert raw.pttl(remote) == -1  # no TTL unless asked
 
 
+async def test_rediss_writes_and_reads_byte_for_byte_over_tls(
+    redis_tls_server: Any, namespace: RemoteNamespace, chunks: Any
+) -> None:
+    # TLS has no plain socket to send a caller's row on: each value is framed
+    # in a buffer of the worker thread, checksummed on the way.
+    keys, rows = chunks.keys(6), chunks.rows(6)
+    async with await RedisTier.open(redis_tls_server.tls_url, namespace) as tier:
+        assert tier.cluster is False
+        assert await tier.write(items(keys[:4], rows[:4])) == 4
+        assert await tier.contains(keys) == [True] * 4 + [False] * 2
+        buffers = chunks.buffers(6)
+        assert await tier.read(items(keys, buffers)) == [True] * 4 + [False] * 2
+        for row, buffer in zip(rows[:4], buffers, strict=False):
+            assert np.array_equal(row, buffer)
+        s = tier.statistics()
+        assert (s.errors_total, s.rejected_total, s.state) == (0, 0, "up")
+    # The bytes on the server are the tier's values, readable over the plain port too.
+    async with await RedisTier.open(redis_tls_server.url, namespace) as plain:
+        again = chunks.buffers(4)
+        assert await plain.read(items(keys[:4], again)) == [True] * 4
+        assert all(np.array_equal(r, b) for r, b in zip(rows[:4], again, strict=True))
+
+
+async def test_rediss_with_an_untrusted_certificate_is_one_clear_config_error(
+    redis_tls_server: Any, namespace: RemoteNamespace
+) -> None:
+    url = f"rediss://127.0.0.1:{redis_tls_server.tls_port}/0"  # the system CAs: not ours
+    with pytest.raises(ConfigError, match="cannot reach the Redis tier at rediss://") as info:
+        async with await RedisTier.open(url, namespace):
+            pass
+    assert "\n" not in str(info.value)
+
+
 async def test_large_batches_are_split_into_pipelines_of_max_batch(
     redis_server: Any, namespace: RemoteNamespace, chunks: Any
 ) -> None:
