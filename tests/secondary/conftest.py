@@ -4,7 +4,8 @@ Every server is this session's own: bound to 127.0.0.1, never on 6379, no
 persistence (``--save '' --appendonly no``), its files in a temporary
 directory, stopped by its pid at the end. Standalone servers, one with ACL
 users, one that also speaks TLS (a certificate made by ``openssl``), and a
-three-master Redis Cluster made with ``redis-cli --cluster create``. Without ``redis-server`` (or redis-py) the tests that need them skip,
+three-master Redis Cluster made with ``redis-cli --cluster create``. Without
+``redis-server`` (or redis-py, or ``openssl``) the tests that need them skip,
 except where ``TIERING_REQUIRE_SERVERS`` is set (CI): there they fail.
 
 Test modules reach all of it through the fixtures, never by importing this file.
