@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tiering.cpu.common import CPULoadStoreSpec
-from tiering.specs import GPULoadStoreSpec
+from tiering.specs import SMALL_IDS, GPULoadStoreSpec
 from tiering.transfer import HostMemoryPool, KVCacheTensor, KVLayout, TransferDirection
 from tiering.transfer.cpu import PageCopier
 
@@ -124,6 +124,48 @@ def test_path_is_chosen_by_run_length(monkeypatch: pytest.MonkeyPatch) -> None:
         store([3, 2, 1, 0], [4, 5, 6, 7])  # one run of 4 slots: 4 * (4096 + 1024) / 2 per op
         store([9, 3, 7, 1], [6, 1, 4, 2])  # runs of one page: 2560 bytes per op
         assert calls == ["direct", "direct", "staged"]
+    finally:
+        copier.close()
+        pool.close()
+
+
+@pytest.mark.parametrize("blocks", [40, SMALL_IDS + 72])  # the Python and the numpy run split
+def test_direct_round_trip_of_long_runs_is_byte_exact(
+    blocks: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rng = np.random.default_rng(blocks)
+    kv = torch.zeros(2 * blocks, 512, dtype=torch.uint8)
+    layout = KVLayout([KVCacheTensor(kv, num_blocks=2 * blocks, page_bytes=512)], 1)
+    pool = HostMemoryPool(layout.pool_bytes(2 * blocks))
+    copier = PageCopier(layout, pool)
+    calls = _spy(copier, monkeypatch)
+    try:
+        _randomize(rng, [kv])
+        want = kv.clone()
+        # Three long runs of blocks to three long runs of slots, in another order.
+        third = blocks // 3
+        src = np.concatenate(
+            [
+                np.arange(0, third),
+                np.arange(blocks, blocks + third),
+                np.arange(third, blocks - third),
+            ]
+        )
+        slots = np.concatenate(
+            [np.arange(blocks, blocks + 2 * third), np.arange(0, blocks - 2 * third)]
+        )
+        store = layout.plan(
+            GPULoadStoreSpec(src), CPULoadStoreSpec(slots), layout.num_chunks(pool.nbytes)
+        )
+        copier.copy(store)
+        kv.zero_()
+        dst = np.arange(2 * blocks - len(src), 2 * blocks)[::-1].copy()  # one run, reversed
+        load = layout.plan(
+            CPULoadStoreSpec(slots), GPULoadStoreSpec(dst), layout.num_chunks(pool.nbytes)
+        )
+        copier.copy(load)
+        assert torch.equal(kv[torch.from_numpy(dst)], want[torch.from_numpy(src)])
+        assert calls == ["direct", "direct"]
     finally:
         copier.close()
         pool.close()

@@ -253,9 +253,13 @@ class _GroupOps:
             if self.split is _Split.BLOCKS
             else (group.slots, group.blocks)
         )
-        sliced_ids, indexed_ids = sliced.tolist(), indexed.tolist()
-        self.firsts: list[int] = [sliced_ids[i] for i in starts]
-        self.others: list[int] = [indexed_ids[i] for i in starts]
+        if len(sliced) <= SMALL_IDS:
+            sliced_ids, indexed_ids = sliced.tolist(), indexed.tolist()
+            self.firsts: list[int] = [sliced_ids[i] for i in starts]
+            self.others: list[int] = [indexed_ids[i] for i in starts]
+        else:  # many ids, few runs: index the arrays rather than list every id
+            self.firsts = sliced[bounds[:-1]].tolist()
+            self.others = indexed[bounds[:-1]].tolist()
         self.gather = self.store == (self.split is _Split.SLOTS)  # sliced side = destination
         self.idx: list[torch.Tensor] = []
         if self.split is not _Split.BOTH:
