@@ -30,7 +30,6 @@ longer workload are the n requests of a shorter one.
 
 from __future__ import annotations
 
-import heapq
 from typing import NamedTuple
 
 import numpy as np
@@ -40,10 +39,12 @@ from tiering.errors import WorkloadError
 from tiering.workload.synthetic import (
     BATCH,
     DECODE_SECONDS_PER_TOKEN,
+    EarliestTurns,
     check_int,
     check_real,
     check_request_count,
     log_normal_mu,
+    prompt_request,
 )
 from tiering.workload.trace import BLOCK_TOKENS, Request
 
@@ -160,10 +161,7 @@ def _draw_turns(
     output_mu = log_normal_mu(output_tokens, _OUTPUT_SIGMA)
 
     turns: list[_Turn] = []
-    # Negated arrival times of the num_requests earliest turns so far (a max-heap):
-    # once the next conversation starts after the latest of them, no later
-    # conversation can put a turn among the earliest num_requests.
-    earliest: list[float] = []
+    earliest = EarliestTurns(num_requests)
     start = 0.0
     conversation = 0
     while True:
@@ -179,7 +177,7 @@ def _draw_turns(
         thinks_list = thinks.tolist()
         offset = 0
         for j in range(BATCH):
-            if len(earliest) == num_requests and -earliest[0] <= start:
+            if earliest.complete_before(start):
                 turns.sort()
                 return turns[:num_requests]
             system = int(systems[j])
@@ -194,10 +192,7 @@ def _draw_turns(
                     break
                 output = outputs_int[offset + k]
                 turns.append(_Turn(time_s, conversation, k, system, system_tokens, prompt, output))
-                if len(earliest) < num_requests:
-                    heapq.heappush(earliest, -time_s)
-                elif time_s < -earliest[0]:
-                    heapq.heapreplace(earliest, -time_s)
+                earliest.add(time_s)
                 length = prompt + output
                 time_s += output * DECODE_SECONDS_PER_TOKEN + thinks_list[offset + k]
             offset += int(counts[j])
@@ -230,16 +225,8 @@ def _to_requests(turns: list[_Turn]) -> list[Request]:
             fresh = full_blocks - len(stream)
             stream.extend(range(next_id, next_id + fresh))
             next_id += fresh
-        hash_ids = stream[:full_blocks]
-        if turn.input_length % BLOCK_TOKENS:
-            hash_ids.append(next_id)  # the partial last block: content no one else has
-            next_id += 1
-        requests.append(
-            Request(
-                timestamp=int(turn.time_s * 1000.0),
-                input_length=turn.input_length,
-                output_length=turn.output_length,
-                hash_ids=tuple(hash_ids),
-            )
+        request, next_id = prompt_request(
+            turn.time_s, turn.input_length, turn.output_length, stream[:full_blocks], next_id
         )
+        requests.append(request)
     return requests

@@ -29,7 +29,6 @@ longer workload are the n requests of a shorter one.
 
 from __future__ import annotations
 
-import heapq
 from typing import NamedTuple
 
 import numpy as np
@@ -39,10 +38,12 @@ from tiering.errors import WorkloadError
 from tiering.workload.synthetic import (
     BATCH,
     DECODE_SECONDS_PER_TOKEN,
+    EarliestTurns,
     check_int,
     check_real,
     check_request_count,
     log_normal_mu,
+    prompt_request,
 )
 from tiering.workload.trace import BLOCK_TOKENS, Request
 
@@ -187,7 +188,7 @@ def _draw_turns(
     question_mu = log_normal_mu(question_tokens, _QUESTION_SIGMA)
     answer_mu = log_normal_mu(answer_tokens, _ANSWER_SIGMA)
     turns: list[_Turn] = []
-    earliest: list[float] = []  # negated times of the num_requests earliest turns (max-heap)
+    earliest = EarliestTurns(num_requests)
     start = 0.0
     session = 0
     while True:
@@ -202,7 +203,7 @@ def _draw_turns(
         answers_int = np.clip(np.rint(answers), 1, _MAX_ANSWER_TOKENS).astype(np.int64)
         offset = 0
         for j in range(BATCH):
-            if len(earliest) == num_requests and -earliest[0] <= start:
+            if earliest.complete_before(start):
                 turns.sort()
                 return turns[:num_requests]
             count = initial_documents + int(start * document_rate)
@@ -217,10 +218,7 @@ def _draw_turns(
                     prompt = max_input_tokens
                 output = int(answers_int[offset + k])
                 turns.append(_Turn(time_s, session, document, prompt, output))
-                if len(earliest) < num_requests:
-                    heapq.heappush(earliest, -time_s)
-                elif time_s < -earliest[0]:
-                    heapq.heapreplace(earliest, -time_s)
+                earliest.add(time_s)
                 length = prompt + output
                 time_s += output * DECODE_SECONDS_PER_TOKEN + thinks[offset + k]
             offset += int(counts[j])
@@ -254,16 +252,8 @@ def _to_requests(turns: list[_Turn], documents: _Documents, system_tokens: int) 
             fresh = full_blocks - len(stream)
             stream.extend(range(next_id, next_id + fresh))
             next_id += fresh
-        hash_ids = stream[:full_blocks]
-        if turn.input_length % BLOCK_TOKENS:
-            hash_ids.append(next_id)
-            next_id += 1
-        requests.append(
-            Request(
-                timestamp=int(turn.time_s * 1000.0),
-                input_length=turn.input_length,
-                output_length=turn.output_length,
-                hash_ids=tuple(hash_ids),
-            )
+        request, next_id = prompt_request(
+            turn.time_s, turn.input_length, turn.output_length, stream[:full_blocks], next_id
         )
+        requests.append(request)
     return requests
