@@ -144,6 +144,20 @@ class TierCounters:
         self.errors_total += 1
         self.last_error = message
 
+    def found(self, found: list[bool]) -> list[bool]:
+        """Count a `contains` answer's hits and misses; return it."""
+        hits = sum(found)
+        self.hits_total += hits
+        self.misses_total += len(found) - hits
+        return found
+
+    def written(self, written: int, offered: int, row_bytes: int) -> int:
+        """Count a write of ``written`` of ``offered`` chunks (the rest failed); return it."""
+        self.writes_total += written
+        self.write_bytes_total += written * row_bytes
+        self.write_errors_total += offered - written
+        return written
+
     def read(self, key: OffloadKey, verdict: Verdict | None, row_bytes: int) -> bool:
         """Count one chunk's read (``None``: a miss); whether it filled its buffer."""
         if verdict is None:

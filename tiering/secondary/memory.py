@@ -152,13 +152,8 @@ class MemoryTier(SecondaryTier):
         c = self._counters
         c.contains_calls += 1
         if not await self._reachable():
-            c.misses_total += len(keys)
-            return [False] * len(keys)
-        found = [self.store.exists(self.codec.remote_key(k)) for k in keys]
-        hits = sum(found)
-        c.hits_total += hits
-        c.misses_total += len(found) - hits
-        return found
+            return c.found([False] * len(keys))
+        return c.found([self.store.exists(self.codec.remote_key(k)) for k in keys])
 
     async def write(self, items: Sequence[WriteItem]) -> int:
         self._check_open()
@@ -166,13 +161,10 @@ class MemoryTier(SecondaryTier):
         c = self._counters
         c.write_calls += 1
         if not await self._reachable():
-            c.write_errors_total += len(values)
-            return 0
+            return c.written(0, len(values), self.row_bytes)
         for remote_key, value in values:
             self.store[remote_key] = value
-        c.writes_total += len(values)
-        c.write_bytes_total += len(values) * self.row_bytes
-        return len(values)
+        return c.written(len(values), len(values), self.row_bytes)
 
     async def read(self, items: Sequence[ReadItem]) -> list[bool]:
         self._check_open()

@@ -227,10 +227,7 @@ class RedisTier(SecondaryTier):
         rows = [(k, self.codec.remote_key(k), None) for k in keys]
         answer = await self._run(self._wire.contains, rows)
         found = [bool(v) for v in answer.values] if answer is not None else [False] * len(keys)
-        hits = sum(found)
-        c.hits_total += hits
-        c.misses_total += len(found) - hits
-        return found
+        return c.found(found)
 
     async def write(self, items: Sequence[WriteItem]) -> int:
         self._check_open()
@@ -241,10 +238,7 @@ class RedisTier(SecondaryTier):
             return 0
         answer = await self._run(self._wire.write, rows)
         written = sum(1 for v in answer.values if v) if answer is not None else 0
-        c.writes_total += written
-        c.write_bytes_total += written * self.row_bytes
-        c.write_errors_total += len(rows) - written
-        return written
+        return c.written(written, len(rows), self.row_bytes)
 
     async def read(self, items: Sequence[ReadItem]) -> list[bool]:
         self._check_open()
