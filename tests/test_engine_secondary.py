@@ -61,6 +61,17 @@ async def settle(engine: TieringEngine, written: int) -> None:
             await anyio.sleep(0.01)
 
 
+async def written_through(*ids: int) -> MemoryStore:
+    """A store into which a first engine wrote the chunks ``ids`` through (then closed)."""
+    store = MemoryStore()
+    first, _ = engine_over(store)
+    async with first:
+        result = await first.submit_store(keys(*ids), GPULoadStoreSpec(list(range(len(ids)))))
+        assert (await result).success
+        await settle(first, len(ids))
+    return store
+
+
 async def test_a_second_engine_loads_what_the_first_wrote_through(anyio_backend: str) -> None:
     store = MemoryStore()
     first, kv_first = engine_over(store, seed=1)
@@ -88,13 +99,7 @@ async def test_a_second_engine_loads_what_the_first_wrote_through(anyio_backend:
 
 
 async def test_promotion_starts_after_the_cpu_hits_and_stops_at_a_gap(anyio_backend: str) -> None:
-    store = MemoryStore()
-    first, _ = engine_over(store)
-    async with first:
-        assert (
-            await (await first.submit_store(keys(1, 2, 4), GPULoadStoreSpec([0, 1, 2])))
-        ).success
-        await settle(first, 3)
+    store = await written_through(1, 2, 4)
     second, _ = engine_over(store)
     async with second:
         assert (await (await second.submit_store(keys(1), GPULoadStoreSpec([0])))).success
@@ -214,13 +219,7 @@ async def test_metrics_show_the_remote_tier(anyio_backend: str) -> None:
 
 
 async def test_promotion_never_evicts_the_requests_own_head(anyio_backend: str) -> None:
-    store = MemoryStore()
-    first, _ = engine_over(store)
-    async with first:
-        assert (
-            await (await first.submit_store(keys(1, 2, 3), GPULoadStoreSpec([0, 1, 2])))
-        ).success
-        await settle(first, 3)
+    store = await written_through(1, 2, 3)
     second, _ = engine_over(store, chunks=2)
     async with second:
         assert (await (await second.submit_store(keys(1), GPULoadStoreSpec([0])))).success
