@@ -26,7 +26,6 @@ from typing import Any, Self
 import anyio.abc
 import anyio.lowlevel
 import msgspec
-import numpy as np
 import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
@@ -789,7 +788,7 @@ class TieringEngine:
 
     async def flush(self, gpu_block_ids: Sequence[int] | IntArray) -> None:
         """Return once no store submitted before still reads ``gpu_block_ids``."""
-        await self.scheduler.flush(np.asarray(gpu_block_ids, dtype=np.int64))
+        await self.scheduler.flush(gpu_block_ids)
 
     # -- the secondary tier -----------------------------------------------------
 

@@ -497,7 +497,7 @@ class Scheduler:
                     f"GPU block id {top} of group {g} is past the end of the KV cache "
                     f"({self._group_num_blocks[g]} blocks)"
                 )
-            if not store and size > 1 and (dup := first_duplicate(ids)) is not None:
+            if not store and (dup := first_duplicate(ids)) is not None:
                 raise SpecError(
                     f"a load names GPU block id {dup} of group {g} more than once; "
                     "every destination block must be distinct"

@@ -114,18 +114,15 @@ class ZmqSubscriber(AsyncResource):
         self._replay_endpoint = replay_endpoint
         self._replay_timeout = replay_timeout
         self._idle_replay = idle_replay
+        _check_host(endpoint, "subscribe to endpoint")
+        if replay_endpoint is not None:
+            _check_host(replay_endpoint, "connect to replay endpoint")
         self._sub = self._ctx.socket(zmq.SUB)
         self._dealer: zmq.Socket[bytes] | None = None
         try:
-            _check_host(endpoint, "subscribe to endpoint")
-            if replay_endpoint is not None:
-                _check_host(replay_endpoint, "connect to replay endpoint")
             self._sub.setsockopt(zmq.RCVHWM, hwm)
             self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
             self._sub.connect(endpoint)
-        except ConfigError:
-            self._sub.close(linger=0)
-            raise
         except zmq.ZMQError as exc:
             self._sub.close(linger=0)
             raise ConfigError(f"cannot subscribe to endpoint {endpoint!r}: {exc}") from exc

@@ -276,7 +276,7 @@ class KVLayout:
             if high >= num_chunks:
                 bad = int(chunk_ids[int(np.argmax(chunk_ids >= num_chunks))])
                 raise SpecError(f"chunk id {bad} is past the pool, which has {num_chunks} chunks")
-            if store and num_ids > 1:
+            if store:
                 _check_unique(chunk_ids, "chunk id", "the destination")
         bpc = self.blocks_per_chunk
         groups: list[GroupPlan] = []
@@ -307,7 +307,7 @@ class KVLayout:
                 if high >= limit:
                     bad = int(blocks[int(np.argmax(blocks >= limit))])
                     raise SpecError(f"group {g}: block id {bad} is past the end ({limit} blocks)")
-                if not store and n > 1:
+                if not store:
                     _check_unique(blocks, f"group {g}: GPU block id", "the destination")
             k = (skip + n) // bpc
             whole_ids = whole and k == num_ids  # skip the slice: a numpy call per job
