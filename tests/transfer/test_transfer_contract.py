@@ -139,9 +139,7 @@ def test_bad_specs_raise_before_any_byte_moves(make_rig: Any) -> None:
 def _sabotage_next_copy(rig: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Make the next copy of ``rig``'s backend raise inside the backend."""
     backend: Any = rig.backend
-    target, attr = (
-        (backend, "_enqueue") if rig.backend.name == "cuda" else (backend._copier, "copy")
-    )
+    target, attr = (backend, "_enqueue") if rig.backend.name == "cuda" else (backend._copier, "run")
     original = getattr(target, attr)
     calls = {"n": 0}
 

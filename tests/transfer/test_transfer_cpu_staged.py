@@ -42,13 +42,13 @@ def _spy(copier: PageCopier, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     calls: list[str] = []
     staged, direct = copier._copy_staged, copier._copy_group
 
-    def spy_staged(*args: Any) -> None:
+    def spy_staged(*args: Any) -> Any:
         calls.append("staged")
-        staged(*args)
+        return staged(*args)
 
-    def spy_direct(*args: Any) -> None:
+    def spy_direct(*args: Any) -> Any:
         calls.append("direct")
-        direct(*args)
+        return direct(*args)
 
     monkeypatch.setattr(copier, "_copy_staged", spy_staged)
     monkeypatch.setattr(copier, "_copy_group", spy_direct)
@@ -169,3 +169,48 @@ def test_direct_round_trip_of_long_runs_is_byte_exact(
     finally:
         copier.close()
         pool.close()
+
+
+@pytest.mark.parametrize("stage_below", [0, 1 << 30], ids=["direct", "staged"])
+def test_a_compiled_job_runs_only_its_copies(
+    stage_below: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`compile` makes every index tensor and view; `run` makes only the copy calls.
+
+    Each torch call in the copy thread gives up the GIL and waits to take it
+    back, up to a switch interval while the event loop runs Python, so the
+    copy thread must not build anything.
+    """
+    rng = np.random.default_rng(3)
+    layout, pool, kv = _rig(1, 16)
+    ref_pool = HostMemoryPool(layout.pool_bytes(16))
+    copier = PageCopier(layout, pool, staging_bytes=STAGING, stage_below_bytes=stage_below)
+    reference = PageCopier(layout, ref_pool, stage_below_bytes=0)
+    try:
+        _randomize(rng, kv)
+        # Group 0: seven runs of one page on both sides; group 1: one run on both.
+        spec = GPULoadStoreSpec([9, 3, 7, 1, 0, 5, 11, 4, 5], [7, 2])
+        plan = layout.plan(spec, CPULoadStoreSpec([12, 3, 7, 1, 14, 0, 9, 5, 6]), 16)
+        program = copier.compile(plan)
+        ops = [op for step, _ in program.steps for op in step]
+        if stage_below:  # group 0 per tensor: pieces of the 8 KiB buffer, two ops each
+            assert len(ops) == 2 * 4 + 2 * 1 + 1
+        else:  # one op per run and tensor
+            assert len(ops) == 7 * 2 + 1
+
+        def built(*args: Any, **kwargs: Any) -> Any:
+            raise AssertionError("the copy thread built a tensor")
+
+        with monkeypatch.context() as m:
+            m.setattr(torch, "from_numpy", built)
+            m.setattr(torch.Tensor, "narrow", built)
+            m.setattr(torch.Tensor, "__getitem__", built)
+            copier.run(program)
+        reference.copy(plan)
+        assert torch.equal(pool.tensor, ref_pool.tensor)
+        assert pool.tensor.any()
+    finally:
+        copier.close()
+        reference.close()
+        pool.close()
+        ref_pool.close()

@@ -35,6 +35,13 @@ complex128 for 16-byte-multiple pages, else int64, ...), which copies markedly
 faster than bytes. Advanced-index assignment (``kv[blocks] = ...``) is never
 used: it is several times slower here.
 
+Threads and the GIL: `CpuBackend.prepare`, on the submitting thread, compiles a
+job into its bound torch calls (`PageCopier.compile`: index tensors, views, one
+call per op); the copy thread only makes those calls. Every torch call gives up
+the GIL and takes it back after, and beside an event loop running Python that
+wait is up to the interpreter's switch interval, so a copy thread that built
+its own views and index tensors spent most of each job waiting.
+
 Worst case: scattered chunk ids with small pages (16 KiB, ``blocks_per_chunk``
 1 to 4) take the staged path, about half the memory bandwidth or a little more
 (each byte is copied twice); runs of chunk ids (fresh slots) copy near it.
@@ -45,7 +52,9 @@ from __future__ import annotations
 import concurrent.futures
 import enum
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import numpy as np
 import torch
@@ -58,13 +67,13 @@ from tiering.transfer.layout import (
     KVLayout,
     TransferDirection,
     TransferPlan,
+    list_run_bounds,
     run_bounds,
-    small_run_bounds,
 )
 from tiering.transfer.memory import HostMemoryPool
 from tiering.transfer.worker import ThreadedBackend, ThreadedJob
 
-__all__ = ["CpuBackend", "PageCopier"]
+__all__ = ["CopyProgram", "CpuBackend", "PageCopier"]
 
 #: Jobs whose ops move less than this each on average are shared out over
 #: ``torch.get_num_threads()`` threads: torch copies such small ops on one thread.
@@ -131,11 +140,32 @@ class PageCopier:
         self._staging: dict[TransferDirection, torch.Tensor] = {}
 
     def copy(self, plan: TransferPlan) -> None:
-        """Move every page of ``plan``."""
+        """Move every page of ``plan`` (`compile` then `run`, on this thread)."""
+        self.run(self.compile(plan))
+
+    def compile(self, plan: TransferPlan) -> CopyProgram:
+        """Every torch call ``plan`` needs, bound and ready, moving nothing yet.
+
+        Call it on the submitting thread and `run` the program on the copy
+        thread: then the copy thread makes no torch call but the copies. Every
+        torch call releases the GIL and must take it back after, and while the
+        event loop runs Python that takes up to the interpreter's switch
+        interval (5 ms): a copy thread making four calls per job (index
+        tensors, views, the copy) copied at a tenth of its speed beside a busy
+        loop. Building the calls costs the submitting thread a few
+        microseconds per run, which it would have spent waiting for the GIL.
+        """
+        steps: list[_Step] = []
         for group in plan.groups:
             if not len(group.blocks):
                 continue
-            split, bounds = _choose_split(group, plan.direction)
+            # A few ids: listed once, for the split and the ops (see `SMALL_IDS`).
+            ids = (
+                (group.slots.tolist(), group.blocks.tolist())
+                if len(group.slots) <= SMALL_IDS
+                else None
+            )
+            split, bounds = _choose_split(group, plan.direction, ids)
             tensors = self.layout.group_tensors[group.group]
             block_bytes = self.layout.group_block_bytes[group.group]
             # Bytes per op and tensor: the average run times the average page. Staging
@@ -143,9 +173,20 @@ class PageCopier:
             runs = len(bounds) - 1
             op_bytes = len(group.blocks) * block_bytes / (runs * len(tensors))
             if runs > 2 and op_bytes < self._stage_below_bytes:
-                self._copy_staged(group, plan.direction)
+                steps.append((self._copy_staged(group, plan.direction), False))
             else:
-                self._copy_group(_GroupOps(group, plan.direction, self.layout, split, bounds))
+                ops = _GroupOps(group, plan.direction, self.layout, split, bounds, ids)
+                steps.append(self._copy_group(ops))
+        return CopyProgram(steps)
+
+    def run(self, program: CopyProgram) -> None:
+        """Make the copies of ``program``, sharing out the steps marked shared."""
+        for ops, shared in program.steps:
+            if shared:
+                self._share_out(ops)
+            else:
+                for op in ops:
+                    op()
 
     def close(self) -> None:
         """Stop the helper threads (after the copies in progress). Idempotent."""
@@ -155,13 +196,14 @@ class PageCopier:
             helpers.shutdown(wait=True)
         self._staging.clear()
 
-    def _copy_staged(self, group: GroupPlan, direction: TransferDirection) -> None:
+    def _copy_staged(self, group: GroupPlan, direction: TransferDirection) -> list[_Op]:
         """Short runs on both sides: per piece and tensor, one gather and one scatter.
 
         A store gathers KV blocks into the staging buffer and scatters them to
         their pool slots; a load gathers pool slots and scatters them to KV
         blocks. Pieces are as many pages as the buffer holds, so it stays small
         (and in cache); torch spreads each of these large ops over its threads.
+        The ops run in order: each piece's scatter reads what its gather wrote.
         """
         staging = self._staging.get(direction)
         if staging is None:
@@ -171,6 +213,7 @@ class PageCopier:
         blocks, slots = _index_tensor(group.blocks), _index_tensor(group.slots)
         src_ids, dst_ids = (blocks, slots) if store else (slots, blocks)
         total = len(blocks)
+        ops: list[_Op] = []
         for t in self.layout.group_tensors[group.group]:
             src, dst = (self._kv[t], self._pool[t]) if store else (self._pool[t], self._kv[t])
             page_words = src.shape[1]
@@ -179,27 +222,51 @@ class PageCopier:
             for start in range(0, total, rows):
                 n = min(rows, total - start)
                 piece = buffer[:n]
-                torch.index_select(src, 0, src_ids[start : start + n], out=piece)
-                dst.index_copy_(0, dst_ids[start : start + n], piece)
+                end = start + n
+                ops.append(partial(torch.index_select, src, 0, src_ids[start:end], out=piece))
+                ops.append(partial(dst.index_copy_, 0, dst_ids[start:end], piece))
+        return ops
 
-    def _copy_group(self, ops: _GroupOps) -> None:
-        todo = [(t, r) for t in ops.tensors for r in range(len(ops.lengths))]
+    def _copy_group(self, ops: _GroupOps) -> _Step:
+        """One op per run and tensor; shared out over threads when they are many and small."""
+        calls: list[_Op] = []
+        for t in ops.tensors:
+            kv, pool = self._kv[t], self._pool[t]
+            for r, n in enumerate(ops.lengths):
+                if ops.split is _Split.BOTH:
+                    src, dst = (kv, pool) if ops.store else (pool, kv)
+                    b0, s0 = (
+                        (ops.others[r], ops.firsts[r])
+                        if ops.store
+                        else (ops.firsts[r], ops.others[r])
+                    )
+                    calls.append(partial(dst[s0 : s0 + n].copy_, src[b0 : b0 + n]))
+                    continue
+                seq, ind = (pool, kv) if ops.split is _Split.SLOTS else (kv, pool)
+                first = ops.firsts[r]
+                if ops.gather:
+                    out = seq[first : first + n]
+                    calls.append(partial(torch.index_select, ind, 0, ops.idx[r], out=out))
+                else:
+                    calls.append(partial(ind.index_copy_, 0, ops.idx[r], seq[first : first + n]))
         threads = self._parallelism
-        avg_bytes = ops.nbytes / max(1, len(todo))
-        if threads < 2 or len(todo) < 2 * threads or avg_bytes >= _PARALLEL_BELOW_BYTES:
-            self._run(ops, todo)
-            return
-        # Many small ops: torch runs each on one thread, so share them out. Their
-        # destinations are disjoint (the plan refuses duplicate destinations).
+        avg_bytes = ops.nbytes / max(1, len(calls))
+        # Many small ops: torch runs each on one thread, so they are shared out.
+        shared = threads > 1 and len(calls) >= 2 * threads and avg_bytes < _PARALLEL_BELOW_BYTES
+        return calls, shared
+
+    def _share_out(self, ops: list[_Op]) -> None:
+        """Run ``ops`` over this thread and the helpers; their destinations are disjoint."""
+        threads = self._parallelism
         with self._helpers_lock:
             if self._helpers is None:
                 self._helpers = ThreadPoolExecutor(threads - 1, thread_name_prefix="tiering-copy")
             helpers = self._helpers
-        share = -(-len(todo) // threads)
-        parts = [todo[i : i + share] for i in range(0, len(todo), share)]
-        futures = [helpers.submit(self._run, ops, part) for part in parts[1:]]
+        share = -(-len(ops) // threads)
+        parts = [ops[i : i + share] for i in range(0, len(ops), share)]
+        futures = [helpers.submit(_run_all, part) for part in parts[1:]]
         try:
-            self._run(ops, parts[0])
+            _run_all(parts[0])
         finally:
             # Every helper must have stopped writing before the job is reported,
             # failed or not; then the first error, if any, is raised.
@@ -207,20 +274,25 @@ class PageCopier:
             for future in futures:
                 future.result()
 
-    def _run(self, ops: _GroupOps, todo: list[tuple[int, int]]) -> None:
-        lengths, firsts, idx = ops.lengths, ops.firsts, ops.idx
-        for t, r in todo:
-            kv, pool, n = self._kv[t], self._pool[t], lengths[r]
-            if ops.split is _Split.BOTH:
-                src, dst = (kv, pool) if ops.store else (pool, kv)
-                b0, s0 = (ops.others[r], firsts[r]) if ops.store else (firsts[r], ops.others[r])
-                dst.narrow(0, s0, n).copy_(src.narrow(0, b0, n))
-                continue
-            seq, ind = (pool, kv) if ops.split is _Split.SLOTS else (kv, pool)
-            if ops.gather:
-                torch.index_select(ind, 0, idx[r], out=seq.narrow(0, firsts[r], n))
-            else:
-                ind.index_copy_(0, idx[r], seq.narrow(0, firsts[r], n))
+
+#: A bound torch call of a copy.
+_Op = Callable[[], object]
+#: Ops in order, and whether they may instead be shared out over threads.
+_Step = tuple[list[_Op], bool]
+
+
+class CopyProgram:
+    """A job's copies as bound torch calls (`PageCopier.compile`); run by `PageCopier.run`."""
+
+    __slots__ = ("steps",)
+
+    def __init__(self, steps: list[_Step]) -> None:
+        self.steps = steps
+
+
+def _run_all(ops: list[_Op]) -> None:
+    for op in ops:
+        op()
 
 
 class _GroupOps:
@@ -237,34 +309,36 @@ class _GroupOps:
         direction: TransferDirection,
         layout: KVLayout,
         split: _Split,
-        bounds: IntArray,
+        bounds: IntArray | list[int],
+        ids: tuple[list[int], list[int]] | None = None,
     ) -> None:
         self.split = split
         self.store = direction is TransferDirection.STORE
         self.tensors = layout.group_tensors[group.group]
         self.nbytes = len(group.blocks) * layout.group_block_bytes[group.group]
         # Lists, not numpy: a job has a few runs, and each numpy call costs
-        # microseconds of this copy thread holding the GIL.
-        edges = bounds.tolist()
+        # microseconds holding the GIL that the other threads need.
+        edges = bounds if isinstance(bounds, list) else bounds.tolist()
         starts = edges[:-1]
         self.lengths: list[int] = [b - a for a, b in zip(starts, edges[1:], strict=True)]
-        sliced, indexed = (
-            (group.blocks, group.slots)
-            if self.split is _Split.BLOCKS
-            else (group.slots, group.blocks)
-        )
-        if len(sliced) <= SMALL_IDS:
-            sliced_ids, indexed_ids = sliced.tolist(), indexed.tolist()
+        by_blocks = self.split is _Split.BLOCKS
+        sliced, indexed = (group.blocks, group.slots) if by_blocks else (group.slots, group.blocks)
+        if ids is not None:  # ``(slots, blocks)`` as lists: a few ids
+            sliced_ids, indexed_ids = (ids[1], ids[0]) if by_blocks else ids
             self.firsts: list[int] = [sliced_ids[i] for i in starts]
             self.others: list[int] = [indexed_ids[i] for i in starts]
         else:  # many ids, few runs: index the arrays rather than list every id
-            self.firsts = sliced[bounds[:-1]].tolist()
-            self.others = indexed[bounds[:-1]].tolist()
+            heads = np.asarray(starts, dtype=np.int64)
+            self.firsts = sliced[heads].tolist()
+            self.others = indexed[heads].tolist()
         self.gather = self.store == (self.split is _Split.SLOTS)  # sliced side = destination
         self.idx: list[torch.Tensor] = []
         if self.split is not _Split.BOTH:
             index = _index_tensor(indexed)
-            self.idx = [index.narrow(0, i, n) for i, n in zip(starts, self.lengths, strict=True)]
+            if len(starts) == 1:
+                self.idx = [index]
+            else:
+                self.idx = [index[i : i + n] for i, n in zip(starts, self.lengths, strict=True)]
 
 
 def _index_tensor(ids: IntArray) -> torch.Tensor:
@@ -272,14 +346,27 @@ def _index_tensor(ids: IntArray) -> torch.Tensor:
     return torch.from_numpy(ids if ids.flags.writeable else ids.copy())
 
 
-def _choose_split(group: GroupPlan, direction: TransferDirection) -> tuple[_Split, IntArray]:
-    """The split with the fewest runs; ties go to plain copies, then gathers."""
+def _choose_split(
+    group: GroupPlan,
+    direction: TransferDirection,
+    ids: tuple[list[int], list[int]] | None = None,
+) -> tuple[_Split, IntArray | list[int]]:
+    """The split with the fewest runs; ties go to plain copies, then gathers.
+
+    With ``ids`` (the slots and blocks as lists: a few ids) the bounds are
+    found, and returned, as a list; otherwise with numpy, as an array.
+    """
     by_slots: IntArray | list[int]
     by_blocks: IntArray | list[int]
     both: IntArray | list[int]
-    if len(group.slots) <= SMALL_IDS:  # in Python: see `small_run_bounds`
-        by_slots, by_blocks = small_run_bounds(group.slots), small_run_bounds(group.blocks)
-        both = sorted({*by_slots, *by_blocks})
+    if ids is not None:  # in Python: see `small_run_bounds`
+        by_slots, by_blocks = list_run_bounds(ids[0]), list_run_bounds(ids[1])
+        if len(by_blocks) == 2:  # one run of blocks: the union is the slots' bounds
+            both = by_slots
+        elif len(by_slots) == 2:
+            both = by_blocks
+        else:
+            both = sorted({*by_slots, *by_blocks})
     else:
         by_slots, by_blocks = run_bounds(group.slots), run_bounds(group.blocks)
         both = np.union1d(by_slots, by_blocks)
@@ -287,8 +374,7 @@ def _choose_split(group: GroupPlan, direction: TransferDirection) -> tuple[_Spli
     gather_first = (_Split.SLOTS, by_slots) if store else (_Split.BLOCKS, by_blocks)
     scatter = (_Split.BLOCKS, by_blocks) if store else (_Split.SLOTS, by_slots)
     options = [(_Split.BOTH, both), gather_first, scatter]
-    split, bounds = min(options, key=lambda o: len(o[1]))
-    return split, np.asarray(bounds, dtype=np.int64)
+    return min(options, key=lambda o: len(o[1]))
 
 
 class CpuBackend(ThreadedBackend):
@@ -314,11 +400,12 @@ class CpuBackend(ThreadedBackend):
     def prepare(self, job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec) -> ThreadedJob:
         copier = self._live_copier()
         plan = copier.layout.plan(src, dst, copier.num_chunks)
-        return ThreadedJob(job_id, plan.direction, plan, src, dst)
+        # The torch calls are made here, not in the copy thread: see `PageCopier.compile`.
+        return ThreadedJob(job_id, plan.direction, plan, src, dst, copier.compile(plan))
 
     def execute(self, job: ThreadedJob) -> None:
-        if job.plan is not None:
-            self._live_copier().copy(job.plan)
+        if isinstance(job.work, CopyProgram):
+            self._live_copier().run(job.work)
 
     def release_resources(self) -> None:
         if self._copier is not None:

@@ -60,6 +60,7 @@ __all__ = [
     "TransferDirection",
     "TransferPlan",
     "job_direction",
+    "list_run_bounds",
     "run_bounds",
     "small_run_bounds",
 ]
@@ -155,10 +156,17 @@ def small_run_bounds(ids: IntArray) -> list[int]:
     concatenate cost several microseconds each (in a copy thread, holding the
     GIL the event loop needs), and a Python loop a fraction of that.
     """
-    values = ids.tolist()
+    return list_run_bounds(ids.tolist())
+
+
+def list_run_bounds(values: list[int]) -> list[int]:
+    """`run_bounds` of a list of ids (one consecutive run is checked in one comparison)."""
     n = len(values)
     if not n:
         return [0]
+    first = values[0]
+    if values[-1] - first == n - 1 and values == list(range(first, first + n)):
+        return [0, n]
     return [0, *[i for i in range(1, n) if values[i] != values[i - 1] + 1], n]
 
 

@@ -29,7 +29,7 @@ import msgspec
 from tiering.errors import ConfigError, TransferError
 from tiering.specs import LoadStoreSpec
 from tiering.transfer.base import DEFAULT_MAX_IN_FLIGHT, CompletionCallback
-from tiering.transfer.cpu import PageCopier
+from tiering.transfer.cpu import CopyProgram, PageCopier
 from tiering.transfer.layout import KVLayout, TransferDirection, job_direction
 from tiering.transfer.memory import HostMemoryPool
 from tiering.transfer.worker import ThreadedBackend, ThreadedJob
@@ -147,7 +147,8 @@ class MockBackend(ThreadedBackend):
         if self.layout is None:
             return ThreadedJob(job_id, job_direction(src, dst), None, src, dst)
         plan = self.layout.plan(src, dst, self._num_chunks)
-        return ThreadedJob(job_id, plan.direction, plan, src, dst)
+        work = None if self._copier is None else self._copier.compile(plan)
+        return ThreadedJob(job_id, plan.direction, plan, src, dst, work)
 
     def execute(self, job: ThreadedJob) -> None:
         if job.job_id in self._held:  # only submit adds it, before the job is queued
@@ -168,8 +169,8 @@ class MockBackend(ThreadedBackend):
             time.sleep(delay)
         if failing:
             raise TransferError(f"scripted failure of job {job.job_id}")
-        if self._copier is not None and job.plan is not None:
-            self._copier.copy(job.plan)
+        if self._copier is not None and isinstance(job.work, CopyProgram):
+            self._copier.run(job.work)
 
     def close(self) -> None:
         self.open_gate()

@@ -67,13 +67,18 @@ class DirectionWorker(Generic[J]):
 
 
 class ThreadedJob(msgspec.Struct, frozen=True, gc=False):
-    """A job admitted to a `ThreadedBackend`; ``plan`` is ``None`` for layout-less mocks."""
+    """A job admitted to a `ThreadedBackend`; ``plan`` is ``None`` for layout-less mocks.
+
+    ``work`` is whatever `ThreadedBackend.prepare` made ready for `ThreadedBackend.execute`
+    (the cpu backend's bound copy calls).
+    """
 
     job_id: int
     direction: TransferDirection
     plan: TransferPlan | None
     src: LoadStoreSpec
     dst: LoadStoreSpec
+    work: object = None
 
     @property
     def nbytes(self) -> int:
