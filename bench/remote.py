@@ -11,7 +11,12 @@ random rows are written and read back in calls of ``--batch`` chunks:
   settings), one pipeline of plain SET or GET of the bare rows per batch, the
   way the tier pipelines them: what Python can do with this client at all;
 - ``raw-asyncio``: the same pipelines on redis-py's asyncio client, for
-  reference (the asyncio-only design the tier did not take).
+  reference (the asyncio-only design the tier did not take);
+- ``raw+ml64`` (writes): the raw pipelines, each row's ML64 checksum computed
+  just before its SET and nothing else: the most any tier can reach that
+  checksums what it writes on the writing thread, as the value format needs.
+  On 2 cores, with redis-server on the other one, it measured 0.67-0.73 of
+  raw in most runs (0.97 in one).
 
 Each row is timed ``--repeat`` times, interleaved, and the best run counts
 (these machines are noisy). The figure that matters is the ratio, tier over
@@ -40,6 +45,7 @@ import numpy as np
 
 from tiering import make_offload_key
 from tiering.secondary import RemoteNamespace
+from tiering.secondary.checksum import ml64
 from tiering.secondary.redis import RedisTier
 
 CHUNK_SIZES = (256 << 10, 2 << 20)
@@ -145,6 +151,14 @@ async def run_size(port: int, chunk: int, args: argparse.Namespace) -> list[dict
                     pipe.set(raw_keys[i], rows[i])
                 pipe.execute()
 
+        def checked_write_sync() -> None:
+            for part in parts:
+                pipe = client.pipeline(transaction=False)
+                for i in part:
+                    ml64(rows[i])
+                    pipe.set(raw_keys[i], rows[i])
+                pipe.execute()
+
         def raw_read_sync() -> None:
             for part in parts:
                 pipe = client.pipeline(transaction=False)
@@ -154,6 +168,9 @@ async def run_size(port: int, chunk: int, args: argparse.Namespace) -> list[dict
 
         async def raw_write() -> None:
             await anyio.to_thread.run_sync(raw_write_sync)
+
+        async def checked_write() -> None:
+            await anyio.to_thread.run_sync(checked_write_sync)
 
         async def raw_read() -> None:
             await anyio.to_thread.run_sync(raw_read_sync)
@@ -176,6 +193,7 @@ async def run_size(port: int, chunk: int, args: argparse.Namespace) -> list[dict
             ("tier", "write"): tier_write,
             ("raw", "write"): raw_write,
             ("raw-asyncio", "write"): async_write,
+            ("raw+ml64", "write"): checked_write,
             ("tier", "read"): tier_read,
             ("raw", "read"): raw_read,
             ("raw-asyncio", "read"): async_read,
@@ -241,9 +259,11 @@ def main() -> None:
     tier = [r for r in rows if r["client"] == "tier"]
     worst = min(r["ratio_to_raw"] for r in tier)
     verdict = "met" if worst >= TARGET else "MISSED"
+    ceiling = min(r["ratio_to_raw"] for r in rows if r["client"] == "raw+ml64")
     print(
         f"tier/raw worst ratio {worst:.2f} (target {TARGET}: {verdict}); verified: "
-        f"{all(r['verified'] for r in tier)}"
+        f"{all(r['verified'] for r in tier)}; raw writes with the checksum and nothing "
+        f"else: {ceiling:.2f} of raw"
     )
 
 
