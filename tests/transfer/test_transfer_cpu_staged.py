@@ -192,6 +192,7 @@ def test_a_compiled_job_runs_only_its_copies(
         spec = GPULoadStoreSpec([9, 3, 7, 1, 0, 5, 11, 4, 5], [7, 2])
         plan = layout.plan(spec, CPULoadStoreSpec([12, 3, 7, 1, 14, 0, 9, 5, 6]), 16)
         program = copier.compile(plan)
+        assert not pool.tensor.any()  # compiling moves nothing
         ops = [op for step, _ in program.steps for op in step]
         if stage_below:  # group 0 per tensor: pieces of the 8 KiB buffer, two ops each
             assert len(ops) == 2 * 4 + 2 * 1 + 1

@@ -97,8 +97,10 @@ class _Split(enum.Enum):
 class PageCopier:
     """Copies the pages of a `TransferPlan` between CPU KV tensors and a host pool.
 
-    Not thread-safe per direction: the backend gives each direction one thread
-    (each direction has its own staging buffer; the helper threads are shared).
+    Programs of one direction must run one at a time, in order (the backend
+    gives each direction one thread): they share that direction's staging
+    buffer. `compile` may run on another thread meanwhile; the helper threads
+    are shared by both directions.
     ``staging_bytes`` and ``stage_below_bytes`` override `STAGING_BYTES` and
     `STAGE_BELOW_BYTES` (0 turns the staged path off).
     """
@@ -135,8 +137,9 @@ class PageCopier:
         self._stage_below_bytes = (
             STAGE_BELOW_BYTES if stage_below_bytes is None else stage_below_bytes
         )
-        # One staging buffer per direction, made on first use: each direction has
-        # its own thread, so a store and a load never share one.
+        # One staging buffer per direction, made by the first compile that needs
+        # it: each direction runs its programs in order, so a store and a load
+        # never share one.
         self._staging: dict[TransferDirection, torch.Tensor] = {}
 
     def copy(self, plan: TransferPlan) -> None:
@@ -404,8 +407,12 @@ class CpuBackend(ThreadedBackend):
         return ThreadedJob(job_id, plan.direction, plan, src, dst, copier.compile(plan))
 
     def execute(self, job: ThreadedJob) -> None:
-        if isinstance(job.work, CopyProgram):
-            self._live_copier().run(job.work)
+        if job.plan is None:
+            return
+        copier = self._live_copier()
+        work = job.work
+        # `prepare` compiled it; a job made some other way is compiled here.
+        copier.run(work if isinstance(work, CopyProgram) else copier.compile(job.plan))
 
     def release_resources(self) -> None:
         if self._copier is not None:

@@ -169,8 +169,10 @@ class MockBackend(ThreadedBackend):
             time.sleep(delay)
         if failing:
             raise TransferError(f"scripted failure of job {job.job_id}")
-        if self._copier is not None and isinstance(job.work, CopyProgram):
-            self._copier.run(job.work)
+        copier = self._copier
+        if copier is not None and job.plan is not None:
+            work = job.work
+            copier.run(work if isinstance(work, CopyProgram) else copier.compile(job.plan))
 
     def close(self) -> None:
         self.open_gate()
