@@ -130,6 +130,45 @@ async def test_a_slow_tier_drops_cascades_and_never_slows_stores(anyio_backend: 
         assert engine.manager.statistics().pinned == 0
 
 
+async def test_cascades_pin_at_most_their_share_of_the_tier(anyio_backend: str) -> None:
+    """A stalled tier never pins the CPU tier full: stores go on evicting the rest."""
+    engine, _ = engine_over(MemoryStore(), chunks=8)  # cascade_chunks: half, 4
+    async with engine:
+        tier = memory_tier(engine)
+        tier.pause()
+        try:
+            for i in range(16):  # twice the tier: every store must find room
+                result = await (await engine.submit_store(keys(i), GPULoadStoreSpec([i % 4])))
+                assert result.success, f"store {i}: {result.outcome}"
+                assert engine.manager.statistics().pinned <= 4
+            stats = engine.statistics().secondary
+            assert stats is not None
+            assert stats.cascade_queued == 4
+            assert stats.cascade_dropped == 12
+            assert (stats.cascade_pinned, stats.cascade_max_pinned) == (4, 4)
+        finally:
+            tier.resume()
+        await settle(engine, 4)
+        assert engine.manager.statistics().pinned == 0
+
+
+async def test_cascade_chunks_can_be_set_and_is_checked(anyio_backend: str) -> None:
+    for bad in (0, 9, True, 2.0):
+        with pytest.raises(ConfigError, match=r"cascade_chunks must be an integer from 1 to"):
+            engine_over(MemoryStore(), chunks=8, cascade_chunks=bad)
+    engine, _ = engine_over(MemoryStore(), chunks=8, cascade_chunks=2)
+    async with engine:
+        tier = memory_tier(engine)
+        tier.pause()
+        try:
+            for i in range(4):
+                assert (await (await engine.submit_store(keys(i), GPULoadStoreSpec([i])))).success
+            assert engine.manager.statistics().pinned == 2
+        finally:
+            tier.resume()
+        await settle(engine, 2)
+
+
 async def test_a_chunk_being_written_through_is_not_evicted(anyio_backend: str) -> None:
     engine, _ = engine_over(MemoryStore(), chunks=1)
     async with engine:

@@ -279,8 +279,10 @@ class SecondaryTierStatistics(msgspec.Struct, frozen=True, kw_only=True):
 
     ``cascade_*`` count chunks written through after their CPU store
     (``dropped``: not queued, the tier being behind; ``failed``: handed to the
-    tier and not written); ``promoted`` counts chunks read into the CPU tier,
-    ``promote_failed`` those the tier claimed but could not give.
+    tier and not written); ``cascade_pinned`` is how many are queued or being
+    written now (pinned in the CPU tier), at most ``cascade_max_pinned``;
+    ``promoted`` counts chunks read into the CPU tier, ``promote_failed``
+    those the tier claimed but could not give.
     """
 
     tier: SecondaryStatistics
@@ -288,6 +290,8 @@ class SecondaryTierStatistics(msgspec.Struct, frozen=True, kw_only=True):
     cascade_written: int
     cascade_dropped: int
     cascade_failed: int
+    cascade_pinned: int
+    cascade_max_pinned: int
     promoted: int
     promote_failed: int
 
@@ -312,19 +316,23 @@ class _Remote:
 
     Cascades run in one background task: a landed store pins its chunks (so no
     eviction takes them while their rows are read) and queues them; when the
-    queue is full the chunks are dropped, counted and unpinned at once, so the
-    GPU path never waits for the secondary tier. The task lives in a task
+    queue is full, or its chunks would take the pins past ``max_chunks``, the
+    chunks are dropped, counted and unpinned at once, so the GPU path never
+    waits for the secondary tier, and a slow tier never pins so much of the
+    CPU tier that stores find no room. The task lives in a task
     group entered by the engine's ``__aenter__`` and exited by its
     ``__aexit__``; `stop` (from `TieringEngine.aclose`, in any task) only
     ends it: it writes what is queued, and every pin is released whatever
     happens (a cancelled write counts as failed).
     """
 
-    def __init__(self, tier: SecondaryTier, queue: int) -> None:
+    def __init__(self, tier: SecondaryTier, queue: int, max_chunks: int) -> None:
         if isinstance(queue, bool) or not isinstance(queue, int) or queue < 1:
             raise ConfigError(f"cascade_queue must be a positive integer, got {queue!r}")
         self.tier = tier
         self._queue = queue
+        #: Most chunks pinned by cascades at once (queued or being written).
+        self.max_chunks = max_chunks
         self._send: MemoryObjectSendStream[_CascadeItem] | None = None
         self._done: anyio.Event | None = None  # made at open (needs a running loop)
         self._jobs = itertools.count()
@@ -351,7 +359,8 @@ class _Remote:
         task_group.start_soon(self._cascade_worker, receive)
 
     def cascade(self, keys: tuple[OffloadKey, ...], manager: CPUOffloadingManager) -> None:
-        if self._send is None:
+        if self._send is None or self.pending + len(keys) > self.max_chunks:
+            # Pins beyond the bound would leave stores no chunk to evict.
             self.dropped += len(keys)
             return
         job = ("cascade", next(self._jobs))
@@ -493,6 +502,8 @@ class _Remote:
             cascade_written=self.written,
             cascade_dropped=self.dropped,
             cascade_failed=self.failed,
+            cascade_pinned=self.pending,
+            cascade_max_pinned=self.max_chunks,
             promoted=self.promoted,
             promote_failed=self.promote_failed,
         )
@@ -514,8 +525,10 @@ class TieringEngine:
     ``secondary`` adds a tier below this one (a `SecondaryTier`, or a function
     that builds one from the engine's `RemoteNamespace`; ``remote_namespace``
     names the deployment in it): chunks whose stores land are written to it in
-    the background (at most ``cascade_queue`` stores wait; past that they are
-    dropped and counted), and `promote` reads a request's chunks back from it.
+    the background (at most ``cascade_queue`` stores wait, holding at most
+    ``cascade_chunks`` chunks pinned, by default half the CPU tier; past that
+    they are dropped and counted), and `promote` reads a request's chunks back
+    from it.
     The engine closes it; with one, close the engine from the task that opened it.
 
     With ``config.enable_kv_cache_events``, what the tier holds is published
@@ -540,6 +553,7 @@ class TieringEngine:
         secondary: SecondaryTier | Callable[[RemoteNamespace], SecondaryTier] | None = None,
         remote_namespace: str = "",
         cascade_queue: int = 64,
+        cascade_chunks: int | None = None,
     ) -> None:
         if isinstance(cpu_bytes, bool) or not isinstance(cpu_bytes, int) or cpu_bytes < 1:
             raise ConfigError(f"cpu_bytes must be a positive integer, got {cpu_bytes!r}")
@@ -610,7 +624,18 @@ class TieringEngine:
                     f"engine's chunks are {self.layout.row_bytes} bytes; build its namespace "
                     "from this engine's layout (RemoteNamespace.from_config)"
                 )
-            self._remote = _Remote(secondary, cascade_queue)
+            if cascade_chunks is None:
+                cascade_chunks = max(1, num_chunks // 2)
+            elif (
+                isinstance(cascade_chunks, bool)
+                or not isinstance(cascade_chunks, int)
+                or not 1 <= cascade_chunks <= num_chunks
+            ):
+                raise ConfigError(
+                    f"cascade_chunks must be an integer from 1 to the CPU tier's {num_chunks} "
+                    f"chunks, got {cascade_chunks!r}"
+                )
+            self._remote = _Remote(secondary, cascade_queue, cascade_chunks)
         self._prefault = prefault
         self._task_group: anyio.abc.TaskGroup | None = None
         self._token: anyio.lowlevel.EventLoopToken | None = None
