@@ -61,6 +61,7 @@ from typing import Any, NamedTuple
 
 import anyio
 import msgspec
+import numpy as np
 import torch
 
 from tiering import make_offload_key
@@ -217,10 +218,10 @@ def backend_throughput(recorder: _Recorder, *, compute: bool = False, window: in
     engine does), at most ``window`` jobs in flight: only the replay's own
     work (the emulated compute, the per-request Python, the waits) is left out.
     With ``compute``, each store's pages are filled as the replay computes
-    them (one broadcast add of per-page seeds) just before it is submitted.
+    them (one numpy broadcast add of per-page seeds) just before it is submitted.
     """
     kv = torch.ones(recorder.kv_shape, dtype=torch.int64)
-    base = torch.arange(kv.shape[1], dtype=torch.int64)
+    rows_np, base = kv.numpy(), np.arange(kv.shape[1], dtype=np.int64)
     page_bytes = kv[0].numel() * kv.element_size()
     layout = KVLayout([KVCacheTensor(kv, kv.shape[0], page_bytes)], 1)
     pool = HostMemoryPool(recorder.pool_bytes, populate=True)
@@ -234,8 +235,8 @@ def backend_throughput(recorder: _Recorder, *, compute: bool = False, window: in
             if compute and isinstance(src, GPULoadStoreSpec):
                 rows = src.block_ids  # a request's blocks: consecutive rows
                 first = int(rows[0])
-                seeds = torch.arange(first, first + len(rows), dtype=torch.int64)[:, None]
-                torch.add(seeds.mul_(MIX), base, out=kv[first : first + len(rows)])
+                seeds = np.arange(first, first + len(rows), dtype=np.int64)[:, None]
+                np.add(seeds * np.int64(MIX), base, out=rows_np[first : first + len(rows)])
             backend.submit(j, src, dst)
             moved += layout.plan(src, dst, layout.num_chunks(pool.nbytes)).nbytes
         backend.wait(range(len(recorder.jobs)))
