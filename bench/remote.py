@@ -15,8 +15,8 @@ random rows are written and read back in calls of ``--batch`` chunks:
 - ``raw+ml64`` (writes): the raw pipelines, each row's ML64 checksum computed
   just before its SET and nothing else: the most any tier can reach that
   checksums what it writes on the writing thread, as the value format needs.
-  On 2 cores, with redis-server on the other one, it measured 0.67-0.73 of
-  raw in most runs (0.97 in one).
+  On 2 cores, with redis-server on the other one, it measured 0.59-0.79 of
+  raw (0.97 in one run).
 
 Each row is timed ``--repeat`` times, interleaved, and the best run counts
 (these machines are noisy). The figure that matters is the ratio, tier over
