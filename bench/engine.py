@@ -23,8 +23,9 @@
    and together they need their CPU times over the cores. With perfect
    overlap the replay takes the longest of the three, so the ratio is at most
    ``backend / max(loop, backend, (loop CPU + backend CPU) / cores)``. On 2
-   cores, where every copy is a CPU memcpy competing with the event loop for
-   the same cores, that bound sits near 0.55-0.62 (measured), under the 0.7 target.
+   cores, where every copy is a CPU memcpy on the cores the event loop also
+   needs, it measured 0.73-0.81; the replay reaches about two thirds of it,
+   its event-loop thread being busy four fifths of the time.
 
 Each row is run ``--repeat`` times, interleaved, and the best run counts (as in
 the other benchmarks: these machines are noisy, and interference only ever
