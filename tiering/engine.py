@@ -326,9 +326,22 @@ class _Remote:
     happens (a cancelled write counts as failed).
     """
 
-    def __init__(self, tier: SecondaryTier, queue: int, max_chunks: int) -> None:
+    def __init__(
+        self, tier: SecondaryTier, queue: int, max_chunks: int | None, capacity: int
+    ) -> None:
         if isinstance(queue, bool) or not isinstance(queue, int) or queue < 1:
             raise ConfigError(f"cascade_queue must be a positive integer, got {queue!r}")
+        if max_chunks is None:
+            max_chunks = max(1, capacity // 2)
+        elif (
+            isinstance(max_chunks, bool)
+            or not isinstance(max_chunks, int)
+            or not 1 <= max_chunks <= capacity
+        ):
+            raise ConfigError(
+                f"cascade_chunks must be an integer from 1 to the CPU tier's {capacity} "
+                f"chunks, got {max_chunks!r}"
+            )
         self.tier = tier
         self._queue = queue
         #: Most chunks pinned by cascades at once (queued or being written).
@@ -624,18 +637,7 @@ class TieringEngine:
                     f"engine's chunks are {self.layout.row_bytes} bytes; build its namespace "
                     "from this engine's layout (RemoteNamespace.from_config)"
                 )
-            if cascade_chunks is None:
-                cascade_chunks = max(1, num_chunks // 2)
-            elif (
-                isinstance(cascade_chunks, bool)
-                or not isinstance(cascade_chunks, int)
-                or not 1 <= cascade_chunks <= num_chunks
-            ):
-                raise ConfigError(
-                    f"cascade_chunks must be an integer from 1 to the CPU tier's {num_chunks} "
-                    f"chunks, got {cascade_chunks!r}"
-                )
-            self._remote = _Remote(secondary, cascade_queue, cascade_chunks)
+            self._remote = _Remote(secondary, cascade_queue, cascade_chunks, num_chunks)
         self._prefault = prefault
         self._task_group: anyio.abc.TaskGroup | None = None
         self._token: anyio.lowlevel.EventLoopToken | None = None

@@ -157,7 +157,6 @@ class _Pages:
     """
 
     def __init__(self, kv: torch.Tensor) -> None:
-        self.kv = kv
         self.rows: npt.NDArray[np.int64] = kv.numpy()  # the same memory
         self.base = np.arange(kv.shape[1], dtype=np.int64)
 

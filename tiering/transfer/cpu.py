@@ -182,6 +182,10 @@ class PageCopier:
                 steps.append(self._copy_group(ops))
         return CopyProgram(steps)
 
+    def execute(self, plan: TransferPlan, work: object) -> None:
+        """Run ``work``, the program `compile` made for ``plan``; without one, compile it now."""
+        self.run(work if isinstance(work, CopyProgram) else self.compile(plan))
+
     def run(self, program: CopyProgram) -> None:
         """Make the copies of ``program``, sharing out the steps marked shared."""
         for ops, shared in program.steps:
@@ -407,12 +411,8 @@ class CpuBackend(ThreadedBackend):
         return ThreadedJob(job_id, plan.direction, plan, src, dst, copier.compile(plan))
 
     def execute(self, job: ThreadedJob) -> None:
-        if job.plan is None:
-            return
-        copier = self._live_copier()
-        work = job.work
-        # `prepare` compiled it; a job made some other way is compiled here.
-        copier.run(work if isinstance(work, CopyProgram) else copier.compile(job.plan))
+        if job.plan is not None:
+            self._live_copier().execute(job.plan, job.work)
 
     def release_resources(self) -> None:
         if self._copier is not None:

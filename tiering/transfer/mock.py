@@ -29,7 +29,7 @@ import msgspec
 from tiering.errors import ConfigError, TransferError
 from tiering.specs import LoadStoreSpec
 from tiering.transfer.base import DEFAULT_MAX_IN_FLIGHT, CompletionCallback
-from tiering.transfer.cpu import CopyProgram, PageCopier
+from tiering.transfer.cpu import PageCopier
 from tiering.transfer.layout import KVLayout, TransferDirection, job_direction
 from tiering.transfer.memory import HostMemoryPool
 from tiering.transfer.worker import ThreadedBackend, ThreadedJob
@@ -169,10 +169,8 @@ class MockBackend(ThreadedBackend):
             time.sleep(delay)
         if failing:
             raise TransferError(f"scripted failure of job {job.job_id}")
-        copier = self._copier
-        if copier is not None and job.plan is not None:
-            work = job.work
-            copier.run(work if isinstance(work, CopyProgram) else copier.compile(job.plan))
+        if self._copier is not None and job.plan is not None:
+            self._copier.execute(job.plan, job.work)
 
     def close(self) -> None:
         self.open_gate()
