@@ -7,6 +7,7 @@ import zlib
 
 import numpy as np
 import pytest
+import xxhash
 
 from tiering._types import make_offload_key
 from tiering.config import (
@@ -162,6 +163,24 @@ def test_ml64_catches_every_single_bit_error_and_swapped_words() -> None:
         data[bit // 8] ^= 1 << (bit % 8)
     swapped = data[8:16] + data[:8] + data[16:]
     assert ml64(memoryview(swapped)) != good
+
+
+def test_xxh3_is_xxhash_xxh3_64_seed_0_and_what_a_codec_writes() -> None:
+    # The published XXH3_64bits test vector of empty input, and sizes across
+    # the copy's slices: streamed (with a copy) and one-shot agree.
+    assert checksum(Checksum.XXH3, memoryview(b"")) == 0x2D06800538D394C2
+    for size in (1, 240, 241, (256 << 10) - 1, (256 << 10) + 1, 600_001):
+        data = row(size, seed=size)
+        out = np.zeros_like(data)
+        value = checksum_copy(Checksum.XXH3, memoryview(data), memoryview(out))
+        assert (
+            value
+            == xxhash.xxh3_64_intdigest(data.tobytes())
+            == checksum(Checksum.XXH3, memoryview(data))
+        )
+        assert np.array_equal(out, data)
+    assert ChunkCodec(NS).checksum is Checksum.XXH3
+    assert ChunkCodec(NS).encode(KEY, memoryview(row(NS.row_bytes)))[5] == Checksum.XXH3
 
 
 @pytest.mark.parametrize("kind", list(Checksum))

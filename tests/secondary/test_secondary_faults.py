@@ -126,6 +126,43 @@ async def test_a_hung_server_times_out_and_the_buffers_stay_the_callers(
         assert await tier.read(items(keys, buffers)) == [True] * 3
 
 
+async def test_a_write_that_fills_the_socket_of_a_hung_server_times_out_and_recovers(
+    own_redis_server: Any, namespace: RemoteNamespace, make_chunks: Any
+) -> None:
+    # 48 MiB to a stopped server: the socket's buffers fill, the worker waits for
+    # room (outside the guard's lock) until the timeout, and the tier goes down.
+    # Nothing half-sent is ever read back as a chunk.
+    big = RemoteNamespace(
+        model=namespace.model,
+        dtype=namespace.dtype,
+        row_bytes=2 << 20,
+        blocks_per_chunk=namespace.blocks_per_chunk,
+        namespace=namespace.namespace,
+    )
+    chunks = make_chunks(big.row_bytes)
+    keys, rows = chunks.keys(24), chunks.rows(24)
+    tier = RedisTier(own_redis_server.url, big, timeout_s=0.5, backoff_s=(0.02, 0.1))
+    async with tier:
+        await tier.connect()
+        own_redis_server.freeze()
+        try:
+            with anyio.fail_after(10):
+                assert await tier.write(items(keys, rows)) == 0
+            s = tier.statistics()
+            assert (s.state, s.timeouts_total) == ("down", 1)
+        finally:
+            own_redis_server.thaw()
+        with anyio.fail_after(20):
+            while await tier.write(items(keys[:1], rows[:1])) != 1:
+                await anyio.sleep(0.05)
+        buffers = chunks.buffers(24)
+        found = await tier.read(items(keys, buffers))
+        assert found[0]
+        for hit, buffer, row in zip(found, buffers, rows, strict=True):
+            assert np.array_equal(buffer, row) if hit else not buffer.any()
+        assert tier.statistics().rejected_total == 0
+
+
 async def test_a_call_cancelled_from_outside_gives_the_buffers_back(
     own_redis_server: Any, namespace: RemoteNamespace, chunks: Any
 ) -> None:

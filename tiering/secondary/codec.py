@@ -18,7 +18,7 @@ Value, format version 1 (header fields big-endian)::
 
     magic      4 bytes   b"TKVC"
     version    1 byte    1
-    checksum   1 byte    its kind (`Checksum`): 2 = ML64 (written), 1 = CRC-32
+    checksum   1 byte    its kind (`Checksum`): 3 = XXH3 (written), 2 = ML64, 1 = CRC-32
     key length 2 bytes
     checksum   8 bytes   of the payload (CRC-32 in the low 32 bits)
     namespace 16 bytes   the full namespace digest
@@ -195,7 +195,7 @@ class ChunkCodec:
     ``checksum`` is the kind written; values of every kind are read.
     """
 
-    def __init__(self, namespace: RemoteNamespace, checksum: Checksum = Checksum.ML64) -> None:
+    def __init__(self, namespace: RemoteNamespace, checksum: Checksum = Checksum.XXH3) -> None:
         self.namespace = namespace
         self.checksum = Checksum(checksum)
         self.row_bytes = namespace.row_bytes

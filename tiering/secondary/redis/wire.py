@@ -11,10 +11,10 @@ standalone server and one per node on a cluster (the slot map of redis-py's
 cluster client routes each key; keys carry a hash tag, so a chunk's keys
 share a slot). The wire drives redis-py's connections itself, instead of its
 ``Pipeline``, to stream: a write checksums each value's row just before
-sending it, then sends the RESP frame in pieces (its own bytes, then the row
-straight from the caller's buffer: the kernel's copy is the only one; on TLS
-the frame is built in a buffer the thread reuses), so the server takes one
-value while the next is checksummed, and a read checks and
+sending it, then sends the RESP frame in one ``sendmsg`` (its own bytes, then
+the row straight from the caller's buffer: the kernel's copy is the only one;
+on TLS the frame is built in a buffer the thread reuses), so the server takes
+one value while the next is checksummed, and a read checks and
 copies each value as it arrives, while the next is in flight. A ``MOVED`` or
 ``ASK`` reply (the cluster is resharding) is a miss, counted, and the slot map
 is refreshed before the next call.
@@ -71,52 +71,74 @@ def _plain_socket(connection: Any) -> socket.socket | None:
     return sock
 
 
-def _send_own(connection: Any, sock: socket.socket, data: bytes) -> None:
-    """``sendall`` of our own bytes (within the socket's timeout), as redis-py sends them."""
-    try:
-        sock.sendall(data)
-    except BaseException as exc:
-        _send_failed(connection, exc)
-        raise
+class _Stream:
+    """Sends RESP frames on a plain socket: our own bytes and callers' rows, in one syscall each.
 
-
-def _send_row(connection: Any, sock: socket.socket, guard: Guard, row: memoryview) -> None:
-    """Send ``row`` (a caller's buffer) without copying it, reading it only under ``guard``.
-
-    Each piece is handed to the kernel by a non-blocking ``send`` under the
-    guard's lock (a bounded memory copy); waiting for room in the socket's
-    buffer is done outside the lock, within the socket's timeout. Once the call
-    is abandoned, the row is never read again (the connection, holding a
-    partial command, is then closed by `RedisWire.exchange`).
+    The socket is non-blocking while the stream is open (its timeout is put
+    back by `close`). Each frame (our bytes, then a caller's row straight from
+    its buffer: the kernel's copy is the only one) is handed to the kernel by
+    one ``sendmsg`` where it fits, in pieces of at most `_PIECE` bytes of the
+    row, each under the guard's lock (a bounded memory copy); waiting for room
+    in the socket's buffer is done outside the lock, within the socket's
+    timeout. Once the call is abandoned, no row is read again (the connection,
+    holding a partial command, is then closed by `RedisWire.exchange`). A
+    failed send closes the connection and raises redis-py's error, as
+    redis-py does.
     """
-    timeout = sock.gettimeout()
-    poller: select.poll | None = None
-    sent, size = 0, row.nbytes
-    try:
+
+    __slots__ = ("_connection", "_guard", "_poller", "_sock", "_timeout")
+
+    def __init__(self, connection: Any, sock: socket.socket, guard: Guard) -> None:
+        self._connection = connection
+        self._sock = sock
+        self._guard = guard
+        self._timeout = sock.gettimeout()
+        self._poller: select.poll | None = None
         sock.settimeout(0.0)
-        while sent < size:
-            with guard.lock:
-                if guard.abandoned:
-                    raise Abandoned
-                try:
-                    sent += sock.send(row[sent : sent + _PIECE])
+
+    def send(self, own: bytes, row: memoryview | None = None) -> None:
+        """Send ``own`` then ``row`` (if given), reading ``row`` only under the guard."""
+        sock, guard = self._sock, self._guard
+        ours = memoryview(own)
+        size = 0 if row is None else row.nbytes
+        mine = theirs = 0  # bytes sent of each
+        try:
+            while mine < len(ours) or theirs < size:
+                with guard.lock:
+                    if guard.abandoned:
+                        raise Abandoned
+                    parts = [ours[mine:]] if mine < len(ours) else []
+                    if row is not None and theirs < size:
+                        parts.append(row[theirs : theirs + _PIECE])
+                    try:
+                        sent = sock.sendmsg(parts)
+                    except BlockingIOError:
+                        sent = -1
+                if sent < 0:
+                    self._wait()
                     continue
-                except BlockingIOError:
-                    pass
-            if poller is None:
-                poller = select.poll()
-                poller.register(sock, select.POLLOUT)
-            wait = -1 if timeout is None else max(1, math.ceil(timeout * 1000))
-            if not poller.poll(wait):
-                raise TimeoutError("timed out")
-    except Abandoned:
-        raise
-    except BaseException as exc:
-        _send_failed(connection, exc)
-        raise
-    finally:
-        if sock.fileno() != -1:  # not closed by the failure
-            sock.settimeout(timeout)
+                took = min(sent, len(ours) - mine)
+                mine += took
+                theirs += sent - took
+        except Abandoned:
+            raise
+        except BaseException as exc:
+            _send_failed(self._connection, exc)
+            raise
+
+    def _wait(self) -> None:
+        if self._poller is None:
+            self._poller = select.poll()
+            self._poller.register(self._sock, select.POLLOUT)
+        timeout = self._timeout
+        wait = -1 if timeout is None else max(1, math.ceil(timeout * 1000))
+        if not self._poller.poll(wait):
+            raise TimeoutError("timed out")
+
+    def close(self) -> None:
+        """Put the socket's timeout back (unless a failure closed it)."""
+        if self._sock.fileno() != -1:
+            self._sock.settimeout(self._timeout)
 
 
 def _send_failed(connection: Any, exc: BaseException) -> None:
@@ -369,36 +391,40 @@ class RedisWire:
             ms = b"%d" % max(1, round(self.ttl_s * 1000))
             argc, expiry = 5, b"$2\r\nPX\r\n$%d\r\n%s\r\n" % (len(ms), ms)
 
+        def frame(key: OffloadKey, remote: bytes) -> tuple[bytes, bytes]:
+            """A SET frame's bytes before and after the value."""
+            size = self.codec.value_bytes(key)
+            head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (argc, len(remote), remote, size)
+            return head, b"\r\n" + expiry
+
         def send(connection: Any, positions: list[int]) -> None:
             # Streamed: each value is sent before the next is checksummed, so the
             # server takes one while this thread checksums the next.
             sock = _plain_socket(connection)
-            pending = b""  # our own bytes not sent yet: the last tail, the next head
-            for p in positions:
-                key, remote, payload = rows[p]
-                size = self.codec.value_bytes(key)
-                head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (
-                    argc,
-                    len(remote),
-                    remote,
-                    size,
-                )
-                tail = b"\r\n" + expiry
-                if sock is None:
+            if sock is None:  # TLS: each frame built in a buffer, then sent
+                for p in positions:
+                    key, remote, payload = rows[p]
+                    head, tail = frame(key, remote)
                     _send_framed(connection, guard, self.codec, key, payload, head, tail)
-                    continue
-                # The RESP frame (SET key value [PX ms]) goes out in pieces: our
-                # bytes (header and checksum), then the caller's row straight
-                # from its buffer (the kernel's copy is the only one), then ours.
-                with guard.lock:
-                    if guard.abandoned:
-                        raise Abandoned
-                    header = self.codec.encode_header(key, payload)
-                _send_own(connection, sock, pending + head + header)
-                _send_row(connection, sock, guard, payload)
-                pending = tail
-            if pending and sock is not None:
-                _send_own(connection, sock, pending)
+                return
+            # Each RESP frame (SET key value [PX ms]) goes out in one sendmsg: our
+            # bytes (the last frame's tail, this one's head and the value's
+            # header with its checksum), then the caller's row from its buffer.
+            stream = _Stream(connection, sock, guard)
+            try:
+                pending = b""  # our own bytes not sent yet: the last frame's tail
+                for p in positions:
+                    key, remote, payload = rows[p]
+                    head, tail = frame(key, remote)
+                    with guard.lock:
+                        if guard.abandoned:
+                            raise Abandoned
+                        header = self.codec.encode_header(key, payload)
+                    stream.send(pending + head + header, payload)
+                    pending = tail
+                stream.send(pending)
+            finally:
+                stream.close()
 
         def receive(position: int, reply: Any) -> None:
             answer.values[position] = self.accepted(answer, reply) and reply == b"OK"
