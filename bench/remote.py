@@ -5,7 +5,7 @@ stopped by its pid at the end. For 256 KiB and 2 MiB chunks, ``--mib`` MiB of
 random rows are written and read back in calls of ``--batch`` chunks:
 
 - ``tier``: `RedisTier.write` and `RedisTier.read` (values carry a header and
-  an XXH3 checksum; reads are checked and copied into caller-given row
+  an XXH3 checksum; reads are checked and received into caller-given row
   buffers), on asyncio, the tier's worker threads doing the I/O;
 - ``raw``: the tier's own redis-py client (same connection pool, same socket
   settings), one pipeline of plain SET or GET of the bare rows per batch, the

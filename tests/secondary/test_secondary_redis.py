@@ -11,7 +11,7 @@ import pytest
 
 from tiering._types import Medium
 from tiering.errors import ConfigError, ResourceClosedError, SpecError
-from tiering.secondary import ChunkCodec, Locality, RemoteNamespace, SecondaryTier
+from tiering.secondary import ChunkCodec, Locality, RemoteNamespace, SecondaryTier, Verdict
 from tiering.secondary.redis import RedisTier, redact_url
 
 pytestmark = pytest.mark.anyio
@@ -255,6 +255,34 @@ async def test_misuse_raises_and_close_is_idempotent(
     assert tier.statistics().state == "closed"
     with pytest.raises(ResourceClosedError):
         await tier.contains(keys)
+
+
+async def test_reads_land_straight_in_the_rows_not_through_redis_pys_parser(
+    redis_server: Any, namespace: RemoteNamespace, chunks: Any, monkeypatch: Any
+) -> None:
+    # White box: on a plain socket every GET reply is read by the tier's own reader
+    # (`_Replies`), the payload received into the caller's row.
+    from tiering.secondary.redis import wire
+
+    seen: list[Any] = []
+    reply = wire._Replies.reply
+
+    def spy(self: Any, codec: Any, key: Any, out: memoryview) -> Any:
+        got = reply(self, codec, key, out)
+        seen.append(got)
+        return got
+
+    monkeypatch.setattr(wire._Replies, "reply", spy)
+    keys, rows = chunks.keys(40), chunks.rows(40)
+    async with RedisTier(redis_server.url, namespace, max_batch=16) as tier:
+        assert await tier.write(items(keys[:30], rows[:30])) == 30
+        buffers = chunks.buffers(40)
+        assert await tier.read(items(keys, buffers)) == [True] * 30 + [False] * 10
+        for buffer, row in zip(buffers[:30], rows[:30], strict=True):
+            assert np.array_equal(buffer, row)
+        assert seen == [Verdict.OK] * 30 + [None] * 10
+        s = tier.statistics()
+        assert (s.round_trips_total, s.errors_total, s.rejected_total) == (5, 0, 0)
 
 
 async def test_an_abandoned_call_touches_no_buffer(

@@ -301,11 +301,31 @@ class ChunkCodec:
         data = memoryview(value)
         if data.format != "B" or data.ndim != 1:
             data = data.cast("B")
-        if data.nbytes < len(MAGIC) or data[: len(MAGIC)] != MAGIC:
+        head = self.check_head(key, data, data.nbytes)
+        if isinstance(head, Verdict):
+            return head
+        kind, expected = head
+        if checksum_copy(kind, data[self.header_bytes(key) :], out) != expected:
+            return Verdict.BAD_CHECKSUM
+        return Verdict.OK
+
+    def check_head(
+        self, key: OffloadKey, head: memoryview, value_bytes: int
+    ) -> Verdict | tuple[Checksum, int]:
+        """Every check of a value but its checksum, from its first bytes and its size.
+
+        ``head`` is a byte view of the value's first `header_bytes` bytes (or
+        of all of it) and ``value_bytes`` the value's full size. Returns the
+        failed check's `Verdict`, or, when all pass, the checksum kind and
+        value that the payload (the value's bytes after `header_bytes`) must
+        match (see `check_payload`): a reader can then receive the payload
+        straight into the caller's row.
+        """
+        if head.nbytes < len(MAGIC) or head[: len(MAGIC)] != MAGIC:
             return Verdict.BAD_MAGIC
-        if data.nbytes < _HEADER.size:
+        if value_bytes < _HEADER.size or head.nbytes < _HEADER.size:
             return Verdict.BAD_LENGTH
-        _, version, kind, key_len, expected, digest, length = _HEADER.unpack_from(data)
+        _, version, kind, key_len, expected, digest, length = _HEADER.unpack_from(head)
         if version != FORMAT_VERSION:
             return Verdict.BAD_VERSION
         if kind not in _KINDS:
@@ -313,15 +333,20 @@ class ChunkCodec:
         if digest != self._digest:
             return Verdict.FOREIGN_NAMESPACE
         start = _HEADER.size + _padded(key_len)
-        if data.nbytes < start:
+        if value_bytes < start:
             return Verdict.BAD_LENGTH
-        if data[_HEADER.size : _HEADER.size + key_len] != bytes(key):
+        if head[_HEADER.size : _HEADER.size + key_len] != bytes(key):
             return Verdict.WRONG_KEY
-        if length != self.row_bytes or data.nbytes - start != length:
+        if length != self.row_bytes or value_bytes - start != length:
             return Verdict.BAD_LENGTH
-        if checksum_copy(_KINDS[kind], data[start:], out) != expected:
-            return Verdict.BAD_CHECKSUM
-        return Verdict.OK
+        return _KINDS[kind], expected
+
+    @staticmethod
+    def check_payload(kind: Checksum, expected: int, payload: memoryview) -> Verdict:
+        """`OK` when ``payload`` has the checksum its header (`check_head`) gave."""
+        return (
+            Verdict.OK if checksum_copy(kind, payload, None) == expected else Verdict.BAD_CHECKSUM
+        )
 
     def __repr__(self) -> str:
         return (

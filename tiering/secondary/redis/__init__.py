@@ -9,8 +9,8 @@ once), not redis-py's asyncio client.
 
 - It works on asyncio *and* trio, like the rest of the engine; redis-py's
   asyncio client is asyncio-only.
-- The per-chunk CPU work (parsing a multi-megabyte reply, the header and the
-  checksum of every value, the copy into the caller's row) runs in the worker
+- The per-chunk CPU work (receiving a multi-megabyte reply into the caller's
+  row, the header and the checksum of every value) runs in the worker
   thread, off the event loop; the socket calls release the GIL. On the
   asyncio client all of it would run on the loop, stalling every other
   request for a millisecond or more per chunk.

@@ -14,8 +14,12 @@ share a slot). The wire drives redis-py's connections itself, instead of its
 sending it, then sends the RESP frame in one ``sendmsg`` (its own bytes, then
 the row straight from the caller's buffer: the kernel's copy is the only one;
 on TLS the frame is built in a buffer the thread reuses), so the server takes
-one value while the next is checksummed, and a read checks and
-copies each value as it arrives, while the next is in flight. A ``MOVED`` or
+one value while the next is checksummed. A read parses the replies itself
+(`_Replies`, where redis-py's pure-Python parser would hold no read-ahead):
+each value's header is checked as it arrives, its payload received straight
+into the caller's row (the kernel's copy is the only one) and checksummed
+there, while the next is in flight; TLS and other parsers go through
+redis-py's parser, the value then copied once into the row. A ``MOVED`` or
 ``ASK`` reply (the cluster is resharding) is a miss, counted, and the slot map
 is refreshed before the next call.
 
@@ -59,6 +63,14 @@ def _frame_buffer(size: int) -> memoryview:
 
 #: Most bytes of a caller's row handed to the kernel in one call (under the guard's lock).
 _PIECE = 1 << 20
+
+
+def _read_buffer(size: int) -> bytearray:
+    """A buffer of ``size`` bytes or more, this thread's own, reused from call to call."""
+    buffer: bytearray | None = getattr(_LOCAL, "read", None)
+    if buffer is None or len(buffer) < size:
+        buffer = _LOCAL.read = bytearray(size)
+    return buffer
 
 
 def _plain_socket(connection: Any) -> socket.socket | None:
@@ -141,6 +153,258 @@ class _Stream:
             self._sock.settimeout(self._timeout)
 
 
+class _Replies:
+    """Reads a pipeline's RESP replies from a plain socket: values straight into callers' rows.
+
+    redis-py's parser reads a value through a buffer, a ``BytesIO`` and a
+    ``bytes`` of its own (three copies) before the tier checks it and copies
+    it once more into the caller's row. Here, a value of the expected size
+    has its header read and checked first (`ChunkCodec.check_head`), then its
+    payload is received straight into the caller's row, in pieces of at most
+    `_PIECE` bytes, each under the guard's lock, and checksummed there while
+    it is in cache. Anything else (a miss, a refusal, a value of another size)
+    is read whole and given to the call as redis-py would give it.
+
+    The socket is non-blocking while this reads (`close` puts its timeout
+    back); each wait for data lasts at most the socket's timeout. A failed
+    read closes the connection and raises redis-py's error, as redis-py does.
+    Only used where redis-py's parser holds no unread byte (`usable`), and
+    it reads exactly the replies asked for, so the connection is left as
+    redis-py expects it.
+    """
+
+    __slots__ = (
+        "_buffer",
+        "_connection",
+        "_end",
+        "_guard",
+        "_poller",
+        "_raw",
+        "_sock",
+        "_start",
+        "_timeout",
+    )
+
+    def __init__(self, connection: Any, sock: socket.socket, guard: Guard, size: int) -> None:
+        self._connection = connection
+        self._sock = sock
+        self._guard = guard
+        # Room for any value's header (a key is at most 64 KiB) and any reply line.
+        self._raw = _read_buffer(max(size, 2 * _MAX_LINE))
+        self._buffer = memoryview(self._raw)
+        self._start = self._end = 0  # the unread bytes: _buffer[_start:_end]
+        self._timeout = sock.gettimeout()
+        self._poller: select.poll | None = None
+        sock.settimeout(0.0)
+
+    @staticmethod
+    def usable(connection: Any) -> bool:
+        """Whether ``connection`` uses redis-py's pure-Python parser, with nothing read ahead."""
+        parser = getattr(connection, "_parser", None)
+        buffer = getattr(parser, "_buffer", None)
+        unread = getattr(buffer, "unread_bytes", None)
+        return unread is not None and type(parser).__name__ in _PARSERS and unread() == 0
+
+    def close(self) -> None:
+        """Put the socket's timeout back (unless a failure closed it).
+
+        Bytes read past the last reply asked for would be lost to redis-py's
+        parser: the connection is closed then, never reused out of step.
+        """
+        if self._sock.fileno() != -1:
+            self._sock.settimeout(self._timeout)
+            if self._end > self._start:
+                self._connection.disconnect()
+
+    def reply(self, codec: ChunkCodec, key: OffloadKey, out: memoryview) -> Any:
+        """The next reply to a GET of chunk ``key``: a `Verdict` once checked into ``out``.
+
+        Otherwise what redis-py's parser returns: ``None`` (no such key), the
+        value's ``bytes`` (when not of the size a value of ``key`` has), or
+        the refusal's exception (a ``ResponseError``; a ``ConnectionError``
+        reply is raised).
+        """
+        line = self._line()
+        kind, rest = line[:1], line[1:]
+        if kind == b"$":
+            try:
+                size = int(rest)
+            except ValueError:
+                size = -2
+            if size < -1:
+                self._protocol_error(f"{line[:64]!r} in reply to GET")
+            if size == -1:
+                return None
+            if size != codec.value_bytes(key):
+                value = bytearray(size)
+                self._into(memoryview(value), None)
+                self._crlf()
+                return bytes(value)
+            head_bytes = codec.header_bytes(key)
+            checked = codec.check_head(key, self._take(head_bytes), size)
+            if isinstance(checked, Verdict):
+                self._skip(size - head_bytes)
+            else:
+                self._into(out, self._guard)
+                with self._guard.lock:
+                    if self._guard.abandoned:
+                        raise Abandoned
+                    checked = codec.check_payload(*checked, out)
+            self._crlf()
+            return checked
+        if kind == b"_":  # RESP3's null
+            return None
+        if kind == b"!":  # RESP3's blob error
+            rest = self._blob(rest, line)
+        if kind in (b"-", b"!"):
+            error = self._connection._parser.parse_error(rest.decode("utf-8", errors="replace"))
+            if not isinstance(error, _errors().refused):
+                self._connection.disconnect()
+                raise error
+            return error
+        self._protocol_error(f"{line[:64]!r} in reply to GET")
+        raise AssertionError("unreachable")
+
+    def _blob(self, size: bytes, line: bytes) -> bytes:
+        """The bytes of a length-prefixed reply whose first line was ``line``."""
+        if not size.isdigit() or int(size) > _MAX_LINE:
+            self._protocol_error(f"{line[:64]!r} in reply to GET")
+        blob = bytes(self._take(int(size)))
+        self._crlf()
+        return blob
+
+    def _line(self) -> bytes:
+        """The next line, without its CRLF."""
+        while True:
+            at = self._raw.find(b"\r\n", self._start, self._end)
+            if at >= 0:
+                line = bytes(self._raw[self._start : at])
+                self._start = at + 2
+                return line
+            if self._end - self._start >= _MAX_LINE:
+                self._protocol_error("a reply line of over 64 KiB")
+            self._fill()
+
+    def _protocol_error(self, what: str) -> None:
+        from redis import exceptions as rx
+
+        self._connection.disconnect()
+        raise rx.InvalidResponse(f"Protocol Error: {what}")
+
+    def _take(self, n: int) -> memoryview:
+        """The next ``n`` bytes (at most the buffer's size), valid until the next read."""
+        while self._end - self._start < n:
+            self._fill()
+        view = self._buffer[self._start : self._start + n]
+        self._start += n
+        return view
+
+    def _skip(self, n: int) -> None:
+        while n:
+            if self._start == self._end:
+                self._fill()
+            step = min(n, self._end - self._start)
+            self._start += step
+            n -= step
+
+    def _crlf(self) -> None:
+        if bytes(self._take(2)) != b"\r\n":
+            self._protocol_error("a value not followed by CRLF")
+
+    def _into(self, out: memoryview, guard: Guard | None) -> None:
+        """Fill ``out``: first from what is buffered, then from the socket straight into it.
+
+        With a ``guard``, ``out`` is written only under its lock, in pieces.
+        """
+        size, done = out.nbytes, 0
+        while done < size:
+            buffered = min(size - done, self._end - self._start)
+            if buffered:
+                piece = self._buffer[self._start : self._start + buffered]
+                if guard is None:
+                    out[done : done + buffered] = piece
+                else:
+                    with guard.lock:
+                        if guard.abandoned:
+                            raise Abandoned
+                        out[done : done + buffered] = piece
+                self._start += buffered
+                done += buffered
+                continue
+            if guard is None:
+                got = self._recv(out[done : done + _PIECE])
+            else:
+                with guard.lock:
+                    if guard.abandoned:
+                        raise Abandoned
+                    got = self._recv(out[done : done + _PIECE])
+            if got < 0:
+                self._wait()
+            else:
+                done += got
+
+    def _fill(self) -> None:
+        """Read more into the buffer (moving what is unread to its front first)."""
+        if self._start:
+            unread = self._end - self._start
+            self._buffer[:unread] = self._buffer[self._start : self._end]
+            self._start, self._end = 0, unread
+        while True:
+            got = self._recv(self._buffer[self._end :])
+            if got >= 0:
+                self._end += got
+                return
+            self._wait()
+
+    def _recv(self, into: memoryview) -> int:
+        """Bytes received into ``into`` (-1: none yet). The server closing is an error."""
+        try:
+            got = self._sock.recv_into(into)
+        except BlockingIOError:
+            return -1
+        except BaseException as exc:
+            _read_failed(self._connection, exc)
+            raise
+        if got == 0 and into.nbytes:
+            _read_failed(self._connection, None)
+        return got
+
+    def _wait(self) -> None:
+        if self._poller is None:
+            self._poller = select.poll()
+            self._poller.register(self._sock, select.POLLIN)
+        timeout = self._timeout
+        wait = -1 if timeout is None else max(1, math.ceil(timeout * 1000))
+        try:
+            ready = self._poller.poll(wait)
+        except BaseException as exc:
+            _read_failed(self._connection, exc)
+            raise
+        if not ready:
+            _read_failed(self._connection, TimeoutError("timed out"))
+
+
+#: The longest reply line `_Replies` reads (a GET's replies have short lines).
+_MAX_LINE = 64 << 10
+
+#: redis-py's pure-Python parsers (RESP2, and RESP3: redis-py 8's default), whose
+#: read-ahead `_Replies` can see.
+_PARSERS = frozenset({"_RESP2Parser", "_RESP3Parser"})
+
+
+def _read_failed(connection: Any, exc: BaseException | None) -> None:
+    """Close the connection and raise redis-py's error for a failed read, as redis-py does."""
+    from redis import exceptions as rx
+
+    connection.disconnect()
+    if exc is None:
+        raise rx.ConnectionError("Connection closed by server.")
+    if isinstance(exc, TimeoutError):
+        raise rx.TimeoutError("Timeout reading from socket") from None
+    if isinstance(exc, OSError):
+        raise rx.ConnectionError(f"Error while reading from socket: {exc.args}") from None
+
+
 def _send_failed(connection: Any, exc: BaseException) -> None:
     """Close the connection and raise redis-py's error for a failed send, as redis-py does."""
     from redis import exceptions as rx
@@ -216,6 +480,21 @@ class Answer(Generic[T]):
         self.unavailable: str | None = None
         #: Whether that was a socket timing out.
         self.timed_out = False
+
+
+#: Reads a connection's replies to ``positions``, handing each to ``receive(position, reply)``.
+Replies = Callable[[Any, list[int], Callable[[int, Any], None]], None]
+
+
+def _each_reply(connection: Any, positions: list[int], receive: Callable[[int, Any], None]) -> None:
+    """redis-py's parser reads each reply (a refusal is given as its exception)."""
+    refused = _errors().refused
+    for position in positions:
+        try:
+            reply = connection.read_response()
+        except refused as exc:
+            reply = exc
+        receive(position, reply)
 
 
 #: What a call does in its thread: ``work(client, guard, answer, rows, batch)``.
@@ -314,13 +593,16 @@ class RedisWire:
         batch: list[int],
         send: Callable[[Any, list[int]], None],
         receive: Callable[[int, Any], None],
+        replies: Replies | None = None,
     ) -> None:
         """One round trip per node: send each node its commands, then read every answer.
 
         ``send(connection, positions)`` writes the commands of ``rows[positions]``;
         ``receive(position, reply)`` takes each reply (a refusal is a
-        ``ResponseError`` instance) in order. A connection whose replies were
-        not all read is closed, never reused.
+        ``ResponseError`` instance) in order, as ``replies(connection,
+        positions, receive)`` reads them (redis-py's parser, one by one, unless
+        given). A connection whose replies were not all read is closed, never
+        reused.
         """
         routes = self.route(client, rows, batch)
         taken: list[tuple[Any, Any]] = []
@@ -331,14 +613,8 @@ class RedisWire:
                 taken.append((pool, connection))
                 send(connection, positions)
             answer.round_trips += len(routes)
-            refused = _errors().refused
             for (_, connection), (_, positions) in zip(taken, routes, strict=True):
-                for position in positions:
-                    try:
-                        reply = connection.read_response()
-                    except refused as exc:
-                        reply = exc
-                    receive(position, reply)
+                (replies or _each_reply)(connection, positions, receive)
                 read += 1
         finally:
             for i, (pool, connection) in enumerate(taken):
@@ -454,7 +730,26 @@ class RedisWire:
                         raise Abandoned
                     answer.values[position] = self.codec.decode_into(key, reply, out)
 
-        self.exchange(client, answer, rows, batch, send, receive)
+        def replies(
+            connection: Any, positions: list[int], receive: Callable[[int, Any], None]
+        ) -> None:
+            sock = _plain_socket(connection)
+            if sock is None or not _Replies.usable(connection):
+                _each_reply(connection, positions, receive)
+                return
+            reader = _Replies(connection, sock, guard, self.socket_read_size)
+            try:
+                for position in positions:
+                    key, _, out = rows[position]
+                    reply = reader.reply(self.codec, key, out)
+                    if isinstance(reply, Verdict):
+                        answer.values[position] = reply
+                    else:
+                        receive(position, reply)
+            finally:
+                reader.close()
+
+        self.exchange(client, answer, rows, batch, send, receive, replies)
 
     def _build_client(self) -> Any:
         import redis
