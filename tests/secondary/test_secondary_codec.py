@@ -295,3 +295,30 @@ def test_read_buffers_must_be_writable_rows() -> None:
     assert view.format == "B"
     assert view.nbytes == 4096
     assert "tkv:{" in repr(ChunkCodec(NS))
+
+
+@pytest.mark.parametrize("hash_bytes", [16, 20])  # keys of 20 bytes (padded) and 24 (not)
+def test_the_streamed_checks_give_the_verdicts_of_decode_into(hash_bytes: int) -> None:
+    # A reader that checks the header first, then the payload in the caller's
+    # row (the Redis tier's), must reject exactly what decode_into rejects, for
+    # the same reason. Includes a key length field longer than the key whose
+    # first bytes are the key (a check of the bytes alone would pass it).
+    codec = ChunkCodec(NS)
+    key = make_offload_key(bytes(range(hash_bytes)), 3)
+    good = codec.encode(key, memoryview(row(NS.row_bytes)))
+    longer = bytearray(good)
+    struct.pack_into(">H", longer, 6, len(bytes(key)) + 1)
+    values = [good, bytes(longer), good[:-1], good + b"x", good[:30], b"TKVC" + good[4:5]]
+    for i in range(0, len(good), 7):
+        damaged = bytearray(good)
+        damaged[i] ^= 0x10
+        values.append(bytes(damaged))
+    for value in values:
+        whole = codec.decode_into(key, value, memoryview(np.zeros(NS.row_bytes, np.uint8)))
+        view = memoryview(value)
+        head = codec.check_head(key, view[: codec.header_bytes(key)], len(value))
+        if isinstance(head, Verdict):
+            streamed = head
+        else:
+            streamed = codec.check_payload(*head, view[codec.header_bytes(key) :])
+        assert streamed is whole, (value[:48], whole, streamed)

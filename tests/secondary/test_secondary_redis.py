@@ -12,6 +12,7 @@ import pytest
 from tiering._types import Medium
 from tiering.errors import ConfigError, ResourceClosedError, SpecError
 from tiering.secondary import ChunkCodec, Locality, RemoteNamespace, SecondaryTier, Verdict
+from tiering.secondary.checksum import Checksum
 from tiering.secondary.redis import RedisTier, redact_url
 
 pytestmark = pytest.mark.anyio
@@ -283,6 +284,25 @@ async def test_reads_land_straight_in_the_rows_not_through_redis_pys_parser(
         assert seen == [Verdict.OK] * 30 + [None] * 10
         s = tier.statistics()
         assert (s.round_trips_total, s.errors_total, s.rejected_total) == (5, 0, 0)
+
+
+async def test_the_checksum_written_can_stay_ml64_for_a_rolling_upgrade(
+    redis_server: Any, namespace: RemoteNamespace, chunks: Any
+) -> None:
+    keys, rows = chunks.keys(2), chunks.rows(2)
+    async with RedisTier(redis_server.url, namespace, checksum="ml64") as old:
+        assert await old.write(items(keys[:1], rows[:1])) == 1
+    async with RedisTier(redis_server.url, namespace) as new:
+        assert new.codec.checksum is Checksum.XXH3
+        assert await new.write(items(keys[1:], rows[1:])) == 1
+        raw = redis_server.client()
+        kinds = [raw.get(new.codec.remote_key(k))[5] for k in keys]
+        assert kinds == [Checksum.ML64, Checksum.XXH3]
+        buffers = chunks.buffers(2)
+        assert await new.read(items(keys, buffers)) == [True, True]  # every kind is read
+        assert all(np.array_equal(b, r) for b, r in zip(buffers, rows, strict=True))
+    with pytest.raises(ConfigError, match=r"checksum must be one of crc32, ml64, xxh3, got 'md5'"):
+        RedisTier(redis_server.url, namespace, checksum="md5")
 
 
 async def test_an_abandoned_call_touches_no_buffer(

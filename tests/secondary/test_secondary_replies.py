@@ -42,6 +42,9 @@ class FakeConnection:
     def disconnect(self) -> None:
         self.disconnects += 1
 
+    def _host_error(self) -> str:
+        return "127.0.0.1:7"
+
 
 def bulk(value: bytes) -> bytes:
     return b"$%d\r\n%s\r\n" % (len(value), value)
@@ -153,7 +156,7 @@ def test_a_peer_closing_mid_value_is_a_connection_error(pair: Any) -> None:
     feed(peer, value[: len(value) // 2], close=True)
     connection = FakeConnection()
     reader = _Replies(connection, ours, Guard(), 4096)
-    with pytest.raises(rx.ConnectionError, match="Connection closed by server"):
+    with pytest.raises(rx.ConnectionError, match=r"Connection closed by server 127\.0\.0\.1:7"):
         reader.reply(CODEC, key, memoryview(bytearray(ROW)))
     assert connection.disconnects == 1
 
@@ -166,7 +169,7 @@ def test_a_silent_peer_times_out_within_the_socket_timeout(pair: Any) -> None:
     feed(peer, value[:1000])  # a header, then nothing
     connection = FakeConnection()
     reader = _Replies(connection, ours, Guard(), 4096)
-    with pytest.raises(rx.TimeoutError, match="Timeout reading from socket"):
+    with pytest.raises(rx.TimeoutError, match=r"Timeout reading from 127\.0\.0\.1:7"):
         reader.reply(CODEC, key, memoryview(bytearray(ROW)))
     assert connection.disconnects == 1
 
@@ -192,3 +195,46 @@ def test_an_abandoned_call_never_writes_the_row(pair: Any) -> None:
     with pytest.raises(Abandoned):
         reader.reply(CODEC, key, memoryview(out))
     assert not out.any()
+
+
+def test_push_frames_between_replies_go_to_redis_pys_handler(pair: Any) -> None:
+    # RESP3 servers may push notifications (maintenance, invalidation) at any
+    # point: redis-py hands them to its handlers and reads on, and so does this.
+    ours, peer = pair
+    keys = [make_offload_key(bytes([i]) * 16, i) for i in range(2)]
+    good = rows(2)
+    push = b">4\r\n$9\r\nMIGRATING\r\n:7\r\n%1\r\n+a\r\n#t\r\n*2\r\n,1.5\r\n_\r\n"
+    stream = (
+        push
+        + bulk(CODEC.encode(keys[0], good[0]))
+        + push
+        + push
+        + bulk(CODEC.encode(keys[1], good[1]))
+    )
+    feed(peer, stream, seed=3)
+    connection = FakeConnection()
+    pushed: list[Any] = []
+    connection._parser.handle_push_response = pushed.append  # type: ignore[method-assign]
+    reader = _Replies(connection, ours, Guard(), 4096)
+    outs = [np.zeros(ROW, dtype=np.uint8) for _ in keys]
+    got = [reader.reply(CODEC, k, memoryview(o)) for k, o in zip(keys, outs, strict=True)]
+    reader.close()
+    assert got == [Verdict.OK, Verdict.OK]
+    assert all(np.array_equal(o, g) for o, g in zip(outs, good, strict=True))
+    assert pushed == [[b"MIGRATING", 7, {b"a": True}, [1.5, None]]] * 3
+    assert connection.disconnects == 0
+
+
+def test_a_push_handler_that_fails_is_logged_and_the_replies_go_on(pair: Any, caplog: Any) -> None:
+    ours, peer = pair
+    feed(peer, b">1\r\n+invalidate\r\n$-1\r\n")
+    connection = FakeConnection()
+
+    def broken(frame: Any) -> None:
+        raise RuntimeError("handler bug")
+
+    connection._parser.handle_push_response = broken  # type: ignore[method-assign]
+    reader = _Replies(connection, ours, Guard(), 4096)
+    assert reader.reply(CODEC, make_offload_key(b"k" * 16), memoryview(bytearray(ROW))) is None
+    assert "push notification" in caplog.text
+    assert connection.disconnects == 0

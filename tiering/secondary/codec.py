@@ -335,7 +335,7 @@ class ChunkCodec:
         start = _HEADER.size + _padded(key_len)
         if value_bytes < start:
             return Verdict.BAD_LENGTH
-        if head[_HEADER.size : _HEADER.size + key_len] != bytes(key):
+        if key_len != len(key) or head[_HEADER.size : _HEADER.size + key_len] != bytes(key):
             return Verdict.WRONG_KEY
         if length != self.row_bytes or value_bytes - start != length:
             return Verdict.BAD_LENGTH

@@ -52,6 +52,7 @@ from tiering.secondary.base import (
     TierCounters,
     WriteItem,
 )
+from tiering.secondary.checksum import Checksum
 from tiering.secondary.codec import ChunkCodec, RemoteNamespace, writable_row
 from tiering.secondary.health import Admission, HealthGate, TierState
 from tiering.secondary.redis.wire import Answer, Guard, RedisWire, Row, Work
@@ -115,6 +116,10 @@ class RedisTier(SecondaryTier):
     At most ``max_concurrency`` calls run at once, each in a worker thread;
     others wait for a thread within their timeout (one that waits it all out
     is counted in ``busy_total`` and answered as misses; the tier stays up).
+    ``checksum`` is what values are written with (`Checksum` or its name):
+    ``xxh3``, or ``ml64`` while engines of a version before XXH3, which
+    reject it, still read the same store (a rolling upgrade); values of
+    every kind are read.
 
     Constructing does no I/O; the first call connects. `open` connects now
     and reports a wrong URL, credentials or server as `ConfigError`.
@@ -136,6 +141,7 @@ class RedisTier(SecondaryTier):
         backoff_s: tuple[float, float] = (0.05, 5.0),
         socket_read_size: int = 256 << 10,
         locality: Locality = Locality.REMOTE,
+        checksum: Checksum | str = Checksum.XXH3,
     ) -> None:
         for label, value in (("timeout_s", timeout_s), ("connect_timeout_s", connect_timeout_s)):
             if value is not None and not value > 0:
@@ -152,7 +158,7 @@ class RedisTier(SecondaryTier):
         plain_url, cluster = _split_cluster_option(url, cluster)
         #: The server's URL without its password: safe to log and show.
         self.url = redact_url(url)
-        self.codec = ChunkCodec(namespace)
+        self.codec = ChunkCodec(namespace, _checksum(checksum))
         self.locality = locality
         self.ttl_s = ttl_s
         self.timeout_s = timeout_s
@@ -344,6 +350,16 @@ class RedisTier(SecondaryTier):
             f"{c.write_errors_total} dropped, {c.rejected_total} rejected, "
             f"{c.errors_total} errors]>"
         )
+
+
+def _checksum(value: Checksum | str) -> Checksum:
+    if isinstance(value, Checksum):
+        return value
+    name = value.upper() if isinstance(value, str) else None
+    if name not in Checksum.__members__:
+        names = ", ".join(k.lower() for k in Checksum.__members__)
+        raise ConfigError(f"checksum must be one of {names}, got {value!r}")
+    return Checksum[name]
 
 
 def _row(payload: Any, row_bytes: int) -> memoryview:

@@ -32,6 +32,7 @@ piece and never touches a caller's buffer again.
 
 from __future__ import annotations
 
+import logging
 import math
 import select
 import socket
@@ -47,6 +48,8 @@ from tiering.secondary.codec import ChunkCodec, Verdict
 __all__ = ["Abandoned", "Answer", "Guard", "RedisWire", "Row", "Work"]
 
 T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
 
 _AUTH_WORDS = ("WRONGPASS", "NOAUTH", "invalid username-password", "invalid password")
 
@@ -225,6 +228,9 @@ class _Replies:
         reply is raised).
         """
         line = self._line()
+        while line[:1] == b">":  # RESP3 push data between replies: redis-py's to handle
+            self._push(line)
+            line = self._line()
         kind, rest = line[:1], line[1:]
         if kind == b"$":
             try:
@@ -263,6 +269,43 @@ class _Replies:
                 raise error
             return error
         self._protocol_error(f"{line[:64]!r} in reply to GET")
+        raise AssertionError("unreachable")
+
+    def _push(self, line: bytes) -> None:
+        """Read a push frame (a server notification) and hand it to redis-py, as it would."""
+        try:
+            frame = [self._element() for _ in range(int(line[1:]))]
+        except ValueError:
+            self._protocol_error(f"{line[:64]!r} in a push frame")
+        try:
+            self._connection._parser.handle_push_response(frame)
+        except Exception:  # redis-py's handler: say so, the replies go on
+            logger.exception("Redis tier: handling a push notification failed")
+
+    def _element(self) -> Any:
+        """One element of a push frame, as redis-py's RESP3 parser gives it (not decoded)."""
+        line = self._line()
+        kind, rest = line[:1], line[1:]
+        if kind in (b"$", b"=", b"!"):
+            return None if rest == b"-1" else self._blob(rest, line)
+        if kind == b"+":
+            return rest
+        if kind == b"-":
+            return self._connection._parser.parse_error(rest.decode("utf-8", errors="replace"))
+        if kind == b":":
+            return int(rest)
+        if kind == b",":
+            return float(rest)
+        if kind == b"#":
+            return rest == b"t"
+        if kind == b"_":
+            return None
+        if kind in (b"*", b">", b"~"):
+            return [self._element() for _ in range(int(rest))]
+        if kind == b"%":
+            pairs = [(self._element(), self._element()) for _ in range(int(rest))]
+            return dict(pairs)
+        self._protocol_error(f"{line[:64]!r} in a push frame")
         raise AssertionError("unreachable")
 
     def _blob(self, size: bytes, line: bytes) -> bytes:
@@ -396,13 +439,14 @@ def _read_failed(connection: Any, exc: BaseException | None) -> None:
     """Close the connection and raise redis-py's error for a failed read, as redis-py does."""
     from redis import exceptions as rx
 
+    host = connection._host_error()
     connection.disconnect()
     if exc is None:
-        raise rx.ConnectionError("Connection closed by server.")
+        raise rx.ConnectionError(f"Connection closed by server {host}.")
     if isinstance(exc, TimeoutError):
-        raise rx.TimeoutError("Timeout reading from socket") from None
+        raise rx.TimeoutError(f"Timeout reading from {host}") from None
     if isinstance(exc, OSError):
-        raise rx.ConnectionError(f"Error while reading from socket: {exc.args}") from None
+        raise rx.ConnectionError(f"Error while reading from {host} : {exc.args}") from None
 
 
 def _send_failed(connection: Any, exc: BaseException) -> None:
