@@ -1,4 +1,4 @@
-"""The Redis tier's own reader of GET replies, on a socket pair fed byte streams by a thread.
+"""The Redis tier's own reader of GET replies and writer of SET frames, on socket pairs.
 
 `_Replies` receives a value's payload straight into the caller's row. These
 tests give it replies split at random points (so every buffer boundary is
@@ -25,7 +25,7 @@ from redis._parsers.resp3 import _RESP3Parser
 
 from tiering._types import make_offload_key
 from tiering.secondary import ChunkCodec, RemoteNamespace, Verdict
-from tiering.secondary.redis.wire import Abandoned, Guard, _Replies
+from tiering.secondary.redis.wire import Abandoned, Guard, _Replies, _Stream
 
 ROW = 40_000  # not a multiple of any buffer or piece size
 NS = RemoteNamespace(model="m", dtype="bfloat16", row_bytes=ROW, blocks_per_chunk=2)
@@ -237,4 +237,51 @@ def test_a_push_handler_that_fails_is_logged_and_the_replies_go_on(pair: Any, ca
     reader = _Replies(connection, ours, Guard(), 4096)
     assert reader.reply(CODEC, make_offload_key(b"k" * 16), memoryview(bytearray(ROW))) is None
     assert "push notification" in caplog.text
+    assert connection.disconnects == 0
+
+
+class FlakySocket:
+    """A socket whose sendmsg takes a random part of what it is given, or nothing (EAGAIN)."""
+
+    def __init__(self, real: socket.socket, rng: random.Random) -> None:
+        self.real, self.rng = real, rng
+        self.sent = bytearray()
+
+    def gettimeout(self) -> float | None:
+        return self.real.gettimeout()
+
+    def settimeout(self, value: float | None) -> None:
+        self.real.settimeout(value)
+
+    def fileno(self) -> int:
+        return self.real.fileno()
+
+    def sendmsg(self, parts: list[memoryview]) -> int:
+        roll = self.rng.random()
+        if roll < 0.2:
+            raise BlockingIOError
+        data = b"".join(bytes(p) for p in parts)
+        taken = self.rng.randint(1, len(data)) if roll < 0.8 else len(data)
+        self.sent += data[:taken]
+        return taken
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_frames_go_out_whole_and_in_order_whatever_sendmsg_takes(pair: Any, seed: int) -> None:
+    ours, _ = pair
+    rng = random.Random(seed)
+    connection = FakeConnection()
+    for _ in range(60):
+        flaky = FlakySocket(ours, rng)
+        stream = _Stream(connection, flaky, Guard())  # type: ignore[arg-type]
+        expected = bytearray()
+        for _ in range(rng.randint(1, 5)):
+            own = rng.randbytes(rng.randint(0, 50))
+            size = rng.choice([0, 1, 10, 3000, (1 << 20) + 7])
+            row = memoryview(rng.randbytes(size)) if rng.random() < 0.8 else None
+            stream.send(own, row)
+            expected += own + (b"" if row is None else bytes(row))
+        stream.close()
+        assert flaky.sent == expected
+        assert ours.gettimeout() == 2.0
     assert connection.disconnects == 0
