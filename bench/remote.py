@@ -15,8 +15,8 @@ random rows are written and read back in calls of ``--batch`` chunks:
 - ``raw+xxh3`` (writes): the raw pipelines, each row's XXH3 checksum computed
   just before its SET and nothing else: the most any tier can reach that
   checksums what it writes on the writing thread, as the value format needs.
-  On 2 cores, with redis-server on the other one, the same row with ML64 (the
-  checksum written before XXH3) measured 0.59-0.79 of raw.
+  On 2 cores, with redis-server on the other one, it measured 0.63-1.08 of
+  raw (the same row with ML64, the checksum written before XXH3: 0.59-0.79).
 
 Each row is timed ``--repeat`` times, interleaved, and the best run counts
 (these machines are noisy). The figure that matters is the ratio, tier over
