@@ -23,9 +23,10 @@ redis-py's parser, the value then copied once into the row. A ``MOVED`` or
 ``ASK`` reply (the cluster is resharding) is a miss, counted, and the slot map
 is refreshed before the next call.
 
-Buffers: each row is checksummed, encoded, sent or decoded under the call's
-`Guard` (a row is handed to the kernel in non-blocking pieces under it, the
-waits for room in the socket being outside it); once the async side has
+Buffers: each row is checksummed, encoded, sent, received or decoded under
+the call's `Guard` (a row is handed to the kernel, or filled from it, in
+non-blocking pieces under it, the waits on the socket being outside it); once
+the async side has
 abandoned the call (timeout, cancellation), the thread stops before the next
 piece and never touches a caller's buffer again.
 """
