@@ -46,7 +46,7 @@ import msgspec
 from tiering._types import OffloadKey
 from tiering.config import OffloadingConfig
 from tiering.errors import ConfigError, SpecError
-from tiering.secondary.checksum import Checksum, checksum_copy
+from tiering.secondary.checksum import Checksum, checksum, checksum_copy
 
 __all__ = [
     "FORMAT_VERSION",
@@ -344,9 +344,7 @@ class ChunkCodec:
     @staticmethod
     def check_payload(kind: Checksum, expected: int, payload: memoryview) -> Verdict:
         """`OK` when ``payload`` has the checksum its header (`check_head`) gave."""
-        return (
-            Verdict.OK if checksum_copy(kind, payload, None) == expected else Verdict.BAD_CHECKSUM
-        )
+        return Verdict.OK if checksum(kind, payload) == expected else Verdict.BAD_CHECKSUM
 
     def __repr__(self) -> str:
         return (

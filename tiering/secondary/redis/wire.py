@@ -33,13 +33,14 @@ piece and never touches a caller's buffer again.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import select
 import socket
 import threading
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NoReturn, TypeVar
 
 from tiering._types import OffloadKey
 from tiering.errors import ConfigError, ResourceClosedError
@@ -87,7 +88,34 @@ def _plain_socket(connection: Any) -> socket.socket | None:
     return sock
 
 
-class _Stream:
+class _NonBlocking:
+    """A plain socket made non-blocking for a call's I/O, its waits bounded by its timeout.
+
+    `close` puts the timeout back (unless a failure closed the socket).
+    """
+
+    __slots__ = ("_connection", "_guard", "_poller", "_sock", "_timeout")
+
+    def __init__(self, connection: Any, sock: socket.socket, guard: Guard, events: int) -> None:
+        self._connection = connection
+        self._sock = sock
+        self._guard = guard
+        self._timeout = sock.gettimeout()
+        self._poller = select.poll()
+        self._poller.register(sock, events)
+        sock.settimeout(0.0)
+
+    def _ready(self) -> bool:
+        """Wait until the socket is ready; ``False`` when the socket's timeout ran out first."""
+        timeout = self._timeout
+        return bool(self._poller.poll(-1 if timeout is None else max(1, math.ceil(timeout * 1000))))
+
+    def close(self) -> None:
+        if self._sock.fileno() != -1:
+            self._sock.settimeout(self._timeout)
+
+
+class _Stream(_NonBlocking):
     """Sends RESP frames on a plain socket: our own bytes and callers' rows, in one syscall each.
 
     The socket is non-blocking while the stream is open (its timeout is put
@@ -102,15 +130,10 @@ class _Stream:
     redis-py does.
     """
 
-    __slots__ = ("_connection", "_guard", "_poller", "_sock", "_timeout")
+    __slots__ = ()
 
     def __init__(self, connection: Any, sock: socket.socket, guard: Guard) -> None:
-        self._connection = connection
-        self._sock = sock
-        self._guard = guard
-        self._timeout = sock.gettimeout()
-        self._poller: select.poll | None = None
-        sock.settimeout(0.0)
+        super().__init__(connection, sock, guard, select.POLLOUT)
 
     def send(self, own: bytes, row: memoryview | None = None) -> None:
         """Send ``own`` then ``row`` (if given), reading ``row`` only under the guard."""
@@ -131,7 +154,8 @@ class _Stream:
                     except BlockingIOError:
                         sent = -1
                 if sent < 0:
-                    self._wait()
+                    if not self._ready():
+                        raise TimeoutError("timed out")
                     continue
                 took = min(sent, len(ours) - mine)
                 mine += took
@@ -142,22 +166,8 @@ class _Stream:
             _send_failed(self._connection, exc)
             raise
 
-    def _wait(self) -> None:
-        if self._poller is None:
-            self._poller = select.poll()
-            self._poller.register(self._sock, select.POLLOUT)
-        timeout = self._timeout
-        wait = -1 if timeout is None else max(1, math.ceil(timeout * 1000))
-        if not self._poller.poll(wait):
-            raise TimeoutError("timed out")
 
-    def close(self) -> None:
-        """Put the socket's timeout back (unless a failure closed it)."""
-        if self._sock.fileno() != -1:
-            self._sock.settimeout(self._timeout)
-
-
-class _Replies:
+class _Replies(_NonBlocking):
     """Reads a pipeline's RESP replies from a plain socket: values straight into callers' rows.
 
     redis-py's parser reads a value through a buffer, a ``BytesIO`` and a
@@ -177,29 +187,14 @@ class _Replies:
     redis-py expects it.
     """
 
-    __slots__ = (
-        "_buffer",
-        "_connection",
-        "_end",
-        "_guard",
-        "_poller",
-        "_raw",
-        "_sock",
-        "_start",
-        "_timeout",
-    )
+    __slots__ = ("_buffer", "_end", "_raw", "_start")
 
     def __init__(self, connection: Any, sock: socket.socket, guard: Guard, size: int) -> None:
-        self._connection = connection
-        self._sock = sock
-        self._guard = guard
+        super().__init__(connection, sock, guard, select.POLLIN)
         # Room for any value's header (a key is at most 64 KiB) and any reply line.
         self._raw = _read_buffer(max(size, 2 * _MAX_LINE))
         self._buffer = memoryview(self._raw)
         self._start = self._end = 0  # the unread bytes: _buffer[_start:_end]
-        self._timeout = sock.gettimeout()
-        self._poller: select.poll | None = None
-        sock.settimeout(0.0)
 
     @staticmethod
     def usable(connection: Any) -> bool:
@@ -215,10 +210,9 @@ class _Replies:
         Bytes read past the last reply asked for would be lost to redis-py's
         parser: the connection is closed then, never reused out of step.
         """
-        if self._sock.fileno() != -1:
-            self._sock.settimeout(self._timeout)
-            if self._end > self._start:
-                self._connection.disconnect()
+        super().close()
+        if self._sock.fileno() != -1 and self._end > self._start:
+            self._connection.disconnect()
 
     def reply(self, codec: ChunkCodec, key: OffloadKey, out: memoryview) -> Any:
         """The next reply to a GET of chunk ``key``: a `Verdict` once checked into ``out``.
@@ -270,7 +264,6 @@ class _Replies:
                 raise error
             return error
         self._protocol_error(f"{line[:64]!r} in reply to GET")
-        raise AssertionError("unreachable")
 
     def _push(self, line: bytes) -> None:
         """Read a push frame (a server notification) and hand it to redis-py, as it would."""
@@ -307,7 +300,6 @@ class _Replies:
             pairs = [(self._element(), self._element()) for _ in range(int(rest))]
             return dict(pairs)
         self._protocol_error(f"{line[:64]!r} in a push frame")
-        raise AssertionError("unreachable")
 
     def _blob(self, size: bytes, line: bytes) -> bytes:
         """The bytes of a length-prefixed reply whose first line was ``line``."""
@@ -329,7 +321,7 @@ class _Replies:
                 self._protocol_error("a reply line of over 64 KiB")
             self._fill()
 
-    def _protocol_error(self, what: str) -> None:
+    def _protocol_error(self, what: str) -> NoReturn:
         from redis import exceptions as rx
 
         self._connection.disconnect()
@@ -360,27 +352,17 @@ class _Replies:
 
         With a ``guard``, ``out`` is written only under its lock, in pieces.
         """
+        lock = contextlib.nullcontext() if guard is None else guard.lock
         size, done = out.nbytes, 0
         while done < size:
-            buffered = min(size - done, self._end - self._start)
-            if buffered:
-                piece = self._buffer[self._start : self._start + buffered]
-                if guard is None:
-                    out[done : done + buffered] = piece
+            with lock:
+                if guard is not None and guard.abandoned:
+                    raise Abandoned
+                got = min(size - done, self._end - self._start)
+                if got:
+                    out[done : done + got] = self._buffer[self._start : self._start + got]
+                    self._start += got
                 else:
-                    with guard.lock:
-                        if guard.abandoned:
-                            raise Abandoned
-                        out[done : done + buffered] = piece
-                self._start += buffered
-                done += buffered
-                continue
-            if guard is None:
-                got = self._recv(out[done : done + _PIECE])
-            else:
-                with guard.lock:
-                    if guard.abandoned:
-                        raise Abandoned
                     got = self._recv(out[done : done + _PIECE])
             if got < 0:
                 self._wait()
@@ -414,13 +396,8 @@ class _Replies:
         return got
 
     def _wait(self) -> None:
-        if self._poller is None:
-            self._poller = select.poll()
-            self._poller.register(self._sock, select.POLLIN)
-        timeout = self._timeout
-        wait = -1 if timeout is None else max(1, math.ceil(timeout * 1000))
         try:
-            ready = self._poller.poll(wait)
+            ready = self._ready()
         except BaseException as exc:
             _read_failed(self._connection, exc)
             raise
