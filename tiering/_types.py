@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import enum
-from typing import NewType
+import operator
+from typing import NewType, SupportsIndex
+
+from tiering.errors import InvalidKeyError
 
 __all__ = [
     "Medium",
@@ -18,13 +21,56 @@ __all__ = [
 OffloadKey = NewType("OffloadKey", bytes)
 
 _GROUP_BYTES = 4
+#: An integer hash is the low 64 bits of the hash bytes, big-endian (vLLM's
+#: ``maybe_convert_block_hash``: ``int.from_bytes(h, "big") & (2**64 - 1)``).
+_INT_HASH_BYTES = 8
 
 
-def make_offload_key(block_hash: bytes, group_idx: int = 0) -> OffloadKey:
-    """Key of the chunk whose last hash-block has ``block_hash``, in group ``group_idx``."""
+def make_offload_key(
+    block_hash: bytes | bytearray | memoryview | SupportsIndex, group_idx: int = 0
+) -> OffloadKey:
+    """Key of the chunk whose last hash-block has ``block_hash``, in group ``group_idx``.
+
+    ``block_hash`` is the hash's bytes (``bytes``, ``bytearray`` or a
+    ``memoryview``; not empty), or an integer hash in ``[0, 2**64)``, which
+    becomes its 8 big-endian bytes: the form vLLM's integer block hashes (KV
+    events with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``) and traces' hash ids
+    take, so ``make_offload_key(h)`` and ``make_offload_key(h.to_bytes(8, "big"))``
+    are the same key. Anything else (a str, a float, None, a bool, a negative
+    or too large int) is an `InvalidKeyError`.
+    """
+    if isinstance(block_hash, bytes):
+        digest = block_hash
+    elif isinstance(block_hash, (bytearray, memoryview)):
+        digest = bytes(block_hash)
+    elif hasattr(type(block_hash), "__index__") and not isinstance(block_hash, bool):
+        value = operator.index(block_hash)  # an int, or numpy's integers
+        if not 0 <= value < 1 << (8 * _INT_HASH_BYTES):
+            raise InvalidKeyError(
+                f"an integer block hash must be in [0, 2**64) (vLLM's 64-bit hashes), got "
+                f"{value}; pass a larger hash as its bytes"
+            )
+        digest = value.to_bytes(_INT_HASH_BYTES, "big")
+    else:
+        raise InvalidKeyError(
+            f"a block hash must be bytes (bytes, bytearray, memoryview) or an int in "
+            f"[0, 2**64), got {_shown(block_hash)} of type {type(block_hash).__name__}"
+        )
+    if not digest:
+        raise InvalidKeyError("a block hash must not be empty, got b''")
+    if isinstance(group_idx, bool) or not isinstance(group_idx, int):
+        raise InvalidKeyError(
+            f"group_idx must be an int in [0, 2**32), got {group_idx!r} "
+            f"of type {type(group_idx).__name__}"
+        )
     if not 0 <= group_idx < 1 << (8 * _GROUP_BYTES):
-        raise ValueError(f"group_idx must be in [0, 2**32), got {group_idx}")
-    return OffloadKey(bytes(block_hash) + group_idx.to_bytes(_GROUP_BYTES, "big"))
+        raise InvalidKeyError(f"group_idx must be in [0, 2**32), got {group_idx}")
+    return OffloadKey(digest + group_idx.to_bytes(_GROUP_BYTES, "big"))
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def get_offload_block_hash(key: OffloadKey) -> bytes:

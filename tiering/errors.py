@@ -6,6 +6,7 @@ wants to catch "anything tiering refused" catches that one class::
     TieringError
     ├── ConfigError            a configuration value is missing, mistyped or impossible
     ├── SpecError              a load/store spec does not fit the layout or the pool
+    │   └── InvalidKeyError    a key or block hash is not of a form keys are made of
     ├── ChunkStateError        a call does not fit a chunk's state (misuse of the manager)
     │   └── UnknownKeyError    the key is not in the tier at all
     ├── CapacityError          a tier or buffer cannot be sized as asked
@@ -25,6 +26,7 @@ __all__ = [
     "ChunkStateError",
     "ConfigError",
     "EventSchemaError",
+    "InvalidKeyError",
     "ResourceClosedError",
     "SpecError",
     "TieringError",
@@ -44,6 +46,14 @@ class ConfigError(TieringError, ValueError):
 
 class SpecError(TieringError, ValueError):
     """A load/store spec does not fit the layout, the pool or itself."""
+
+
+class InvalidKeyError(SpecError, TypeError):
+    """A chunk key, or the block hash it is made from, has the wrong type or form.
+
+    A `SpecError` (so a `ValueError`) and a `TypeError`: a str or a float given
+    as a hash is caught by either.
+    """
 
 
 class ChunkStateError(TieringError):
