@@ -10,6 +10,10 @@ import msgspec
 import pytest
 
 from tiering.config import (
+    SHARED_EXTRA_KEYS,
+    TIERING_EXTRA_KEYS,
+    TORCH_DTYPE_NAMES,
+    VLLM_CACHE_DTYPES,
     OffloadingCacheConfig,
     OffloadingConfig,
     OffloadingGroupConfig,
@@ -358,12 +362,12 @@ def bad(value: object) -> Any:
                                           is_parallelism_agnostic=bad(1)),
          r"is_parallelism_agnostic must be a bool, got 1"),
         (lambda: OffloadingConfig(groups=(), worker_kv_bytes_per_block=0, engine_id="e",
-                                  model=OffloadingModelConfig(name="m", dtype="f"),
+                                  model=OffloadingModelConfig(name="m", dtype="half"),
                                   cache=bad({"tokens_per_hash": 1})),
          r"OffloadingConfig\.cache must be an OffloadingCacheConfig, got dict"),
         (lambda: OffloadingConfig(groups=(), worker_kv_bytes_per_block=0, engine_id="e",
                                   extra_config=bad({1: "x"}),
-                                  model=OffloadingModelConfig(name="m", dtype="f"),
+                                  model=OffloadingModelConfig(name="m", dtype="half"),
                                   cache=OffloadingCacheConfig(tokens_per_hash=1,
                                                               blocks_per_chunk=1)),
          r"extra_config must be a mapping with string keys, got \{1: 'x'\}"),
@@ -392,3 +396,165 @@ def test_a_wrong_type_names_the_field_and_the_value(tmp_path: Path) -> None:
         load_config(write_json(tmp_path, data, "typed.json"))
     assert "$.cache.blocks_per_chunk" in str(info.value)
     assert "(value: '4')" in str(info.value)
+
+
+# --- extra_config keys ------------------------------------------------------------------
+
+
+def test_tiering_extra_keys_are_the_ones_the_code_reads() -> None:
+    from tiering.scheduler import SchedulerLimits
+
+    # The engine reads the scheduler limits, the vLLM integration blocks_per_chunk.
+    assert set(SchedulerLimits.__struct_fields__) | {"blocks_per_chunk"} == TIERING_EXTRA_KEYS
+    assert {"block_size"} == SHARED_EXTRA_KEYS
+
+
+@pytest.mark.parametrize(
+    ("key", "meant"),
+    [
+        ("max_queud_jobs", "max_queued_jobs"),
+        ("max_inflight_byte", "max_inflight_bytes"),
+        ("slice_chunk", "slice_chunks"),
+        ("max_load_slice", "max_load_slices"),
+        ("blocks_per_chunks", "blocks_per_chunk"),
+    ],
+)
+def test_a_misspelled_tiering_key_is_refused(tmp_path: Path, key: str, meant: str) -> None:
+    data = minimal_dict()
+    data["extra_config"] = {key: 8}
+    with pytest.raises(ConfigError) as info:
+        load_config(write_json(tmp_path, data, "typo.json"))
+    message = str(info.value)
+    assert "typo.json" in message
+    assert f"extra_config has key {key!r}, which tiering does not read" in message
+    assert f"did you mean {meant!r}?" in message
+
+
+def test_keys_of_others_pass_through() -> None:
+    others = {
+        # vLLM's own offloading keys, and some of other backends
+        "spec_name": "TieringSpec",
+        "spec_module_path": "tiering.integrations.vllm",
+        "cpu_bytes_to_use": 8 << 30,
+        "block_size": 64,
+        "eviction_policy": "lru",
+        "cache_policy_module_path": "x.y",
+        "secondary_tiers": [],
+        "num_cpu_blocks": 1024,
+        "cache_policy": "lru",
+        "kv_block_size": 16,
+        "chunk_size": 256,
+        "max_inflight_requests": 8,
+        "max_queued_requests": 8,
+    }
+    ours = {"max_queued_jobs": 8, "max_inflight_bytes": 1 << 20, "slice_chunks": 4,
+            "max_load_slices": 2, "blocks_per_chunk": 4}  # fmt: skip
+    config = msgspec.structs.replace(HYBRID, extra_config={**others, **ours})
+    assert config.extra_config == {**others, **ours}
+
+
+def test_a_misspelled_key_is_refused_in_python_too() -> None:
+    with pytest.raises(ConfigError, match=r"did you mean 'max_queued_jobs'\? tiering reads \["):
+        msgspec.structs.replace(HYBRID, extra_config={"max_queue_jobs": 8})
+
+
+# --- dtypes -------------------------------------------------------------------------------
+
+
+def test_the_torch_dtype_names_are_torchs() -> None:
+    torch = pytest.importorskip("torch")
+    known = {name for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype)}
+    assert known - TORCH_DTYPE_NAMES == set(), "add torch's new dtypes to TORCH_DTYPE_NAMES"
+    assert TORCH_DTYPE_NAMES - known == set(), "TORCH_DTYPE_NAMES names dtypes torch lacks"
+    for name, storage in VLLM_CACHE_DTYPES.items():
+        assert name not in TORCH_DTYPE_NAMES
+        assert isinstance(getattr(torch, storage), torch.dtype), name
+
+
+@pytest.mark.parametrize(
+    ("dtype", "storage"),
+    [("bfloat16", "bfloat16"), ("half", "half"), ("float8_e4m3fn", "float8_e4m3fn"),
+     ("int64", "int64"), ("fp8", "uint8"), ("fp8_e4m3", "uint8"), ("fp8_inc", "float8_e4m3fn"),
+     ("int8_per_token_head", "int8")],
+)  # fmt: skip
+def test_torch_and_vllm_dtypes_are_accepted(dtype: str, storage: str) -> None:
+    model = OffloadingModelConfig(name="m", dtype=dtype)
+    assert model.storage_dtype == storage
+
+
+@pytest.mark.parametrize(
+    ("dtype", "fragment"),
+    [
+        ("float77", "did you mean 'float"),
+        ("bf16", "did you mean 'bfloat16'"),
+        ("auto", "use a torch dtype name such as 'bfloat16' or a vLLM KV-cache dtype"),
+        ("torch.bfloat16", "write 'bfloat16', without 'torch.'"),
+        ("fp8_e4m2", "did you mean 'fp8_e5m2' or 'fp8_e4m3'"),
+    ],
+)
+def test_an_unknown_dtype_is_refused(tmp_path: Path, dtype: str, fragment: str) -> None:
+    data = minimal_dict()
+    data["model"]["dtype"] = dtype
+    with pytest.raises(ConfigError) as info:
+        load_config(write_json(tmp_path, data, "dtype.json"))
+    message = str(info.value)
+    assert f"OffloadingModelConfig.dtype={dtype!r} is not a dtype torch or vLLM knows" in message
+    assert fragment in message
+
+
+# --- a byte order mark --------------------------------------------------------------------
+
+
+def test_a_file_with_a_byte_order_mark_is_read(tmp_path: Path) -> None:
+    path = tmp_path / "bom.json"
+    path.write_bytes(b"\xef\xbb\xbf" + msgspec.json.encode(HYBRID))
+    assert load_config(path) == HYBRID
+    path = tmp_path / "bom.toml"
+    path.write_bytes(b"\xef\xbb\xbf" + HYBRID_TOML.encode())
+    assert load_config(path) == HYBRID
+
+
+# --- the common case ----------------------------------------------------------------------
+
+
+def test_for_full_attention_builds_one_group_on_one_worker() -> None:
+    config = OffloadingConfig.for_full_attention(
+        ["l0", "l1"], model="m", dtype="bfloat16", tokens_per_block=16, blocks_per_chunk=4
+    )
+    assert config == OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0", "l1")),),
+        worker_kv_bytes_per_block=0,
+        engine_id="engine-0",
+        model=OffloadingModelConfig(name="m", dtype="bfloat16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=4),
+    )
+    assert config.tokens_per_chunk == (64,)
+    assert config.groups[0].sliding_window_size_in_chunks is None
+    assert config.parallel.world_size == 1
+
+
+def test_for_full_attention_passes_the_rest_through() -> None:
+    config = OffloadingConfig.for_full_attention(
+        ("a",), model="m", dtype="fp8", tokens_per_block=32, tokens_per_hash=16,
+        worker_kv_bytes_per_block=4096, max_model_len=8192, engine_id="rank-1",
+        enable_kv_cache_events=True, extra_config=MappingProxyType({"max_queued_jobs": 4}),
+    )  # fmt: skip
+    assert (config.cache.tokens_per_hash, config.worker_kv_bytes_per_block) == (16, 4096)
+    assert (config.model.max_model_len, config.engine_id) == (8192, "rank-1")
+    assert config.enable_kv_cache_events is True
+    assert config.extra_config == {"max_queued_jobs": 4}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        ({"tokens_per_hash": 12}, r"tokens_per_block=16 is not a multiple of .*tokens_per_hash=12"),
+        ({"dtype": "float77"}, r"dtype='float77' is not a dtype"),
+        ({"blocks_per_chunk": 0}, r"blocks_per_chunk must be >= 1"),
+        ({"extra_config": {"slice_chunk": 4}}, r"did you mean 'slice_chunks'"),
+    ],
+)
+def test_for_full_attention_checks_like_the_constructor(kwargs: Any, pattern: str) -> None:
+    args: dict[str, Any] = {"model": "m", "dtype": "bfloat16", "tokens_per_block": 16, **kwargs}
+    with pytest.raises(ConfigError, match=pattern):
+        OffloadingConfig.for_full_attention(["l0"], **args)

@@ -13,15 +13,25 @@ every problem into a `ConfigError` that names the file, the field and the value:
 a wrong type carries msgspec's path to the field (``$.cache.blocks_per_chunk``),
 an impossible value the path to its record (``$.cache``) after a message that
 names the field and the value.
+
+``model.dtype`` is a dtype torch knows (`TORCH_DTYPE_NAMES`) or one of vLLM's
+KV-cache dtypes (`VLLM_CACHE_DTYPES`). ``extra_config`` is vLLM's
+``kv_connector_extra_config``, shared with vLLM and other backends, so a key
+tiering does not read is passed through; but a key that is not one of
+tiering's own (`TIERING_EXTRA_KEYS`) and is close to one (``max_queud_jobs``)
+is refused as a misspelling, naming the key meant.
 """
 
 from __future__ import annotations
 
+import codecs
+import difflib
 import os
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import msgspec
@@ -30,6 +40,10 @@ from tiering.errors import ConfigError
 
 __all__ = [
     "DEFAULT_POLICY",
+    "SHARED_EXTRA_KEYS",
+    "TIERING_EXTRA_KEYS",
+    "TORCH_DTYPE_NAMES",
+    "VLLM_CACHE_DTYPES",
     "OffloadingCacheConfig",
     "OffloadingConfig",
     "OffloadingGroupConfig",
@@ -43,6 +57,55 @@ __all__ = [
 #: on the conversation trace from 0.5 to 10 million tokens and on both built-in
 #: workloads (figures in the README; `bench/policy.py` checks them).
 DEFAULT_POLICY = "aslru"
+
+#: The ``extra_config`` keys that are tiering's own: the scheduler limits
+#: (`tiering.scheduler.SchedulerLimits`, read by the engine) and
+#: ``blocks_per_chunk`` (read by `tiering.integrations.vllm`).
+TIERING_EXTRA_KEYS: frozenset[str] = frozenset(
+    {"max_queued_jobs", "max_inflight_bytes", "slice_chunks", "max_load_slices", "blocks_per_chunk"}
+)
+#: ``extra_config`` keys tiering reads with the meaning vLLM gives them:
+#: ``block_size`` (tokens per chunk). Keys close to these are not refused: they
+#: may be another backend's.
+SHARED_EXTRA_KEYS: frozenset[str] = frozenset({"block_size"})
+#: How alike (difflib's ratio) an unknown key must be to one of
+#: `TIERING_EXTRA_KEYS` to be taken for its misspelling.
+_MISSPELLING = 0.8
+
+#: The names of the dtypes torch knows (``torch.<name>`` is a ``torch.dtype``),
+#: as of torch 2.13. This module does not import torch; tests/test_config.py
+#: checks the list against the installed torch.
+TORCH_DTYPE_NAMES: frozenset[str] = frozenset((
+    "bfloat16", "bit", "bits16", "bits1x8", "bits2x4", "bits4x2", "bits8", "bool", "cdouble",
+    "cfloat", "chalf", "complex128", "complex32", "complex64", "double", "float", "float16",
+    "float32", "float4_e2m1fn_x2", "float64", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2",
+    "float8_e5m2fnuz", "float8_e8m0fnu", "half", "int", "int1", "int16", "int2", "int3", "int32",
+    "int4", "int5", "int6", "int64", "int7", "int8", "long", "qint32", "qint8", "quint2x4",
+    "quint4x2", "quint8", "short", "uint1", "uint16", "uint2", "uint3", "uint32", "uint4",
+    "uint5", "uint6", "uint64", "uint7", "uint8",
+))  # fmt: skip
+
+#: vLLM's KV-cache dtypes (``--kv-cache-dtype``) that are not torch names, and
+#: the torch dtype vLLM allocates each as (its ``STR_DTYPE_TO_TORCH_DTYPE``): a
+#: quantized cache is bytes that attention backends view as they need.
+VLLM_CACHE_DTYPES: Mapping[str, str] = MappingProxyType(
+    {
+        "fp8": "uint8",
+        "fp8_e4m3": "uint8",
+        "fp8_e5m2": "uint8",
+        "fp8_inc": "float8_e4m3fn",
+        "fp8_ds_mla": "uint8",
+        "fp8_per_token_head": "uint8",
+        "int8_per_token_head": "int8",
+        "int4_per_token_head": "uint8",
+        "nvfp4": "uint8",
+        "nvfp4_4over6": "uint8",
+        "turboquant_k8v4": "uint8",
+        "turboquant_4bit_nc": "uint8",
+        "turboquant_k3v4_nc": "uint8",
+        "turboquant_3bit_nc": "uint8",
+    }
+)
 
 
 def _check_int(owner: str, name: str, value: object, minimum: int, meaning: str) -> None:
@@ -59,6 +122,32 @@ def _check_int(owner: str, name: str, value: object, minimum: int, meaning: str)
 def _check_text(owner: str, name: str, value: object) -> None:
     if not isinstance(value, str) or not value:
         raise ConfigError(f"{owner}.{name} must be a non-empty string, got {value!r}")
+
+
+def _check_dtype(owner: str, dtype: str) -> None:
+    if dtype in TORCH_DTYPE_NAMES or dtype in VLLM_CACHE_DTYPES:
+        return
+    bare = dtype.removeprefix("torch.")
+    if bare != dtype and bare in TORCH_DTYPE_NAMES:
+        hint = f"write {bare!r}, without 'torch.'"
+    else:
+        close = difflib.get_close_matches(dtype, [*TORCH_DTYPE_NAMES, *VLLM_CACHE_DTYPES], n=3)
+        hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
+        hint += "use a torch dtype name such as 'bfloat16' or a vLLM KV-cache dtype such as 'fp8'"
+    raise ConfigError(f"{owner}.dtype={dtype!r} is not a dtype torch or vLLM knows; {hint}")
+
+
+def _check_extra_keys(owner: str, extra: Mapping[str, Any]) -> None:
+    """Refuse a key that looks like a misspelling of one of `TIERING_EXTRA_KEYS`."""
+    for key in extra:
+        if key in TIERING_EXTRA_KEYS or key in SHARED_EXTRA_KEYS:
+            continue
+        meant = difflib.get_close_matches(key, sorted(TIERING_EXTRA_KEYS), n=1, cutoff=_MISSPELLING)
+        if meant:
+            raise ConfigError(
+                f"{owner}.extra_config has key {key!r}, which tiering does not read; did you "
+                f"mean {meant[0]!r}? tiering reads {sorted(TIERING_EXTRA_KEYS | SHARED_EXTRA_KEYS)}"
+            )
 
 
 def _as_tuple(struct: msgspec.Struct, owner: str, name: str, item_type: type) -> tuple[Any, ...]:
@@ -130,6 +219,7 @@ class OffloadingModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_un
         owner = "OffloadingModelConfig"
         _check_text(owner, "name", self.name)
         _check_text(owner, "dtype", self.dtype)
+        _check_dtype(owner, self.dtype)
         _check_int(
             owner,
             "max_model_len",
@@ -137,6 +227,12 @@ class OffloadingModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_un
             0,
             "tokens in the longest request; 0 = unknown",
         )
+
+    @property
+    def storage_dtype(self) -> str:
+        """The torch dtype name KV tensors of this dtype have: ``dtype`` itself, or for
+        a vLLM KV-cache dtype the one vLLM allocates (``"fp8_e4m3"`` -> ``"uint8"``)."""
+        return VLLM_CACHE_DTYPES.get(self.dtype, self.dtype)
 
 
 class OffloadingCacheConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -256,6 +352,7 @@ class OffloadingConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
             raise ConfigError(
                 f"{owner}.extra_config must be a mapping with string keys, got {extra!r}"
             )
+        _check_extra_keys(owner, extra)
         _check_text(owner, "engine_id", self.engine_id)
         for name, kind in (
             ("model", OffloadingModelConfig),
@@ -290,6 +387,49 @@ class OffloadingConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         factor = self.cache.blocks_per_chunk
         return tuple(group.tokens_per_block * factor for group in self.groups)
 
+    @classmethod
+    def for_full_attention(
+        cls,
+        layer_names: Sequence[str],
+        *,
+        model: str,
+        dtype: str,
+        tokens_per_block: int,
+        blocks_per_chunk: int = 1,
+        tokens_per_hash: int | None = None,
+        worker_kv_bytes_per_block: int = 0,
+        max_model_len: int = 0,
+        engine_id: str = "engine-0",
+        enable_kv_cache_events: bool = False,
+        extra_config: Mapping[str, Any] | None = None,
+    ) -> OffloadingConfig:
+        """The config of the common case: one full-attention group on one worker.
+
+        ``layer_names`` are the layers whose KV tensors the engine is given
+        (one block-major tensor each); ``tokens_per_block`` is the GPU block
+        size in tokens, ``blocks_per_chunk`` how many blocks make one chunk.
+        The prefix hash is taken per GPU block unless ``tokens_per_hash`` (a
+        divisor of ``tokens_per_block``) says otherwise. ``worker_kv_bytes_per_block``
+        may stay 0 (unknown): the engine measures the tensors it is given.
+        Every value is checked as in the constructor (a `ConfigError`).
+        """
+        return cls(
+            groups=(
+                OffloadingGroupConfig(
+                    tokens_per_block=tokens_per_block, layer_names=tuple(layer_names)
+                ),
+            ),
+            worker_kv_bytes_per_block=worker_kv_bytes_per_block,
+            enable_kv_cache_events=enable_kv_cache_events,
+            extra_config=dict(extra_config or {}),
+            engine_id=engine_id,
+            model=OffloadingModelConfig(name=model, dtype=dtype, max_model_len=max_model_len),
+            cache=OffloadingCacheConfig(
+                tokens_per_hash=tokens_per_block if tokens_per_hash is None else tokens_per_hash,
+                blocks_per_chunk=blocks_per_chunk,
+            ),
+        )
+
 
 def load_config(path: str | os.PathLike[str]) -> OffloadingConfig:
     """Read an `OffloadingConfig` from a ``.json`` or ``.toml`` file.
@@ -298,8 +438,9 @@ def load_config(path: str | os.PathLike[str]) -> OffloadingConfig:
     the file, the offending field with msgspec's path (``$.cache.blocks_per_chunk``,
     or ``$.cache`` after the field's name) and the value: unknown fields, wrong types,
     missing required fields, impossible values, malformed files and unreadable
-    files are all reported that way. TOML has no null: leave
-    ``sliding_window_size_in_chunks`` out for a full-attention group.
+    files are all reported that way. A file may start with a UTF-8 byte order
+    mark. TOML has no null: leave ``sliding_window_size_in_chunks`` out for a
+    full-attention group.
     """
     source = Path(path)
     suffix = source.suffix.lower()
@@ -311,6 +452,7 @@ def load_config(path: str | os.PathLike[str]) -> OffloadingConfig:
         raw = source.read_bytes()
     except OSError as exc:
         raise ConfigError(f"cannot read config file {str(source)!r}: {exc}") from exc
+    raw = raw.removeprefix(codecs.BOM_UTF8)  # as editors on Windows save UTF-8
     try:
         data = msgspec.json.decode(raw) if suffix == ".json" else _parse_toml(raw, source)
     except msgspec.DecodeError as exc:
