@@ -552,9 +552,11 @@ def test_for_full_attention_passes_the_rest_through() -> None:
         ({"dtype": "float77"}, r"dtype='float77' is not a dtype"),
         ({"blocks_per_chunk": 0}, r"blocks_per_chunk must be >= 1"),
         ({"extra_config": {"slice_chunk": 4}}, r"did you mean 'slice_chunks'"),
+        ({"layer_names": "l0"}, r"got the string 'l0'; give \['l0'\] for one layer"),
     ],
 )
 def test_for_full_attention_checks_like_the_constructor(kwargs: Any, pattern: str) -> None:
-    args: dict[str, Any] = {"model": "m", "dtype": "bfloat16", "tokens_per_block": 16, **kwargs}
+    args: dict[str, Any] = {"layer_names": ["l0"], "model": "m", "dtype": "bfloat16",
+                            "tokens_per_block": 16, **kwargs}  # fmt: skip
     with pytest.raises(ConfigError, match=pattern):
-        OffloadingConfig.for_full_attention(["l0"], **args)
+        OffloadingConfig.for_full_attention(**args)

@@ -413,6 +413,11 @@ class OffloadingConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         may stay 0 (unknown): the engine measures the tensors it is given.
         Every value is checked as in the constructor (a `ConfigError`).
         """
+        if isinstance(layer_names, str):
+            raise ConfigError(
+                f"layer_names must be a sequence of layer names, got the string {layer_names!r}; "
+                f"give [{layer_names!r}] for one layer"
+            )
         return cls(
             groups=(
                 OffloadingGroupConfig(
