@@ -22,10 +22,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TextIO
+from typing import Any
 
 import anyio
 import msgspec
@@ -42,16 +41,16 @@ from tiering.config import (
     OffloadingModelConfig,
 )
 from tiering.engine import TieringEngine
-from tiering.errors import ChunkStateError, ConfigError
+from tiering.errors import CapacityError, ChunkStateError, ConfigError
 from tiering.events import KVEventsConfig
 from tiering.scheduler import JobHandle, JobOutcome, JobResult
 from tiering.secondary import RemoteNamespace, SecondaryTier
-from tiering.simulate import requests_to_keys
+from tiering.simulate import Progress, ProgressBar, requests_to_keys
 from tiering.specs import GPULoadStoreSpec
-from tiering.transfer import KVCacheTensor, KVLayout
+from tiering.transfer import KVCacheTensor, KVLayout, available_host_bytes
 from tiering.workload import Request
 
-__all__ = ["ReplayOptions", "ReplayResult", "replay", "run_replay"]
+__all__ = ["ReplayOptions", "ReplayResult", "format_bytes", "replay", "run_replay"]
 
 _MIX = 0x9E3779B97F4A7C15 - (1 << 64)  # golden-ratio multiplier, as a signed int64
 _POISON = -0x2152411021524111  # 0xDEADBEEFDEADBEEF: a constant page, which no key derives
@@ -224,7 +223,7 @@ async def replay(
     requests: Sequence[Request],
     options: ReplayOptions,
     *,
-    progress: Callable[[int, int, int, int], None] | None = None,
+    progress: Progress | None = None,
     backend_options: Mapping[str, Any] | None = None,
     on_open: Callable[[TieringEngine], contextlib.AbstractAsyncContextManager[object]]
     | None = None,
@@ -232,12 +231,15 @@ async def replay(
     """Replay ``requests`` through a fresh engine; see the module docstring.
 
     ``on_open(engine)`` (a metrics server, say) is entered once the engine is
-    open and exited after ``options.hold``, before the engine closes.
+    open and exited after ``options.hold``, before the engine closes. Raises
+    `CapacityError`, before allocating it, when the emulated KV cache does not
+    fit in the available host memory.
     """
     config = replay_config(options)
     request_keys = requests_to_keys(requests)
     max_blocks = max((len(k) for k in request_keys), default=0) or 1
     page_words = options.bytes_per_token * options.block_tokens // 8
+    _check_kv_fits(options, max_blocks)
     kv = torch.zeros((options.concurrency * max_blocks, page_words), dtype=torch.int64)
     if options.cpu_bytes is not None:
         cpu_bytes = options.cpu_bytes
@@ -364,6 +366,30 @@ async def replay(
     )
 
 
+def format_bytes(nbytes: float) -> str:
+    """A byte count in decimal units, as the command line prints them: ``384.00 MB``."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= size:
+            return f"{nbytes / size:,.2f} {unit}"
+    return f"{nbytes:,.0f} B"
+
+
+def _check_kv_fits(options: ReplayOptions, max_blocks: int) -> None:
+    """Refuse an emulated KV cache larger than the host memory available (as the CPU
+    tier's pool refuses its own size), before torch tries to allocate it."""
+    page_bytes = options.bytes_per_token * options.block_tokens
+    nbytes = options.concurrency * max_blocks * page_bytes
+    available = available_host_bytes()
+    if nbytes > available:
+        raise CapacityError(
+            f"the emulated GPU KV cache needs {format_bytes(nbytes)} (concurrency "
+            f"{options.concurrency:,} x {max_blocks:,} blocks, the longest request, x "
+            f"{format_bytes(page_bytes)} a block: bytes-per-token x block-tokens), but only "
+            f"{format_bytes(available)} of host memory is available; lower concurrency or "
+            "bytes-per-token"
+        )
+
+
 def _remote_tier(url: str) -> Callable[[RemoteNamespace], SecondaryTier]:
     from tiering.secondary.redis import RedisTier  # redis-py: only when used
 
@@ -376,32 +402,6 @@ def _row_bytes(config: OffloadingConfig, kv: torch.Tensor) -> int:
     return layout.row_bytes
 
 
-class ProgressBar:
-    """A one-line progress bar on a terminal, redrawn at most every 0.1 s."""
-
-    def __init__(self, stream: TextIO = sys.stderr, width: int = 30) -> None:
-        self.stream = stream
-        self.width = width
-        self.last = 0.0
-        self.start = time.perf_counter()
-
-    def __call__(self, done: int, total: int, hits: int, blocks: int) -> None:
-        now = time.perf_counter()
-        if now - self.last < 0.1 and done < total:
-            return
-        self.last = now
-        filled = math.floor(self.width * done / total) if total else self.width
-        bar = "#" * filled + "-" * (self.width - filled)
-        rate = done / (now - self.start) if now > self.start else 0.0
-        hit = hits / blocks if blocks else 0.0
-        self.stream.write(
-            f"\r[{bar}] {done}/{total} requests  hit rate {hit:.1%}  {rate:,.0f} req/s "
-        )
-        if done >= total:
-            self.stream.write("\n")
-        self.stream.flush()
-
-
 def run_replay(
     requests: Sequence[Request],
     options: ReplayOptions,
@@ -410,6 +410,6 @@ def run_replay(
     on_open: Callable[[TieringEngine], contextlib.AbstractAsyncContextManager[object]]
     | None = None,
 ) -> ReplayResult:
-    """Run `replay` on a fresh asyncio event loop."""
+    """Run `replay` on a fresh asyncio event loop (with a `ProgressBar` on stderr if asked)."""
     bar = ProgressBar() if show_progress else None
     return anyio.run(lambda: replay(requests, options, progress=bar, on_open=on_open))

@@ -9,17 +9,20 @@ request's recency head to tail. One chunk per hash id.
 MIN: evict the chunk whose next use is furthest in the future), under the same
 pinning, as the reference every online policy is measured against; and
 `plot_hit_rates` draws hit rate against capacity (matplotlib, an optional
-extra, imported only there).
+extra, imported only there). `ProgressBar` shows a run's progress on a
+terminal, here and in `tiering replay`.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 import os
+import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TextIO
 
 import msgspec
 
@@ -32,6 +35,8 @@ from tiering.policies import POLICY_NAMES, create_policy
 __all__ = [
     "OPTIMAL",
     "PlotUnavailableError",
+    "Progress",
+    "ProgressBar",
     "SimulationResult",
     "check_plotting",
     "expand_policies",
@@ -46,6 +51,11 @@ __all__ = [
 OPTIMAL = "optimal"
 #: What ``--policy all`` stands for: every online policy, then the offline optimum.
 ALL_POLICIES: tuple[str, ...] = (*POLICY_NAMES, OPTIMAL)
+
+#: ``progress(done, total, hit_blocks, blocks)``: requests done of ``total``, and
+#: the hit and all blocks so far, reported now and then while a run goes on.
+Progress = Callable[[int, int, int, int], None]
+_PROGRESS_EVERY = 1024  # requests between two progress reports of a simulation
 
 
 class _HasHashIds(Protocol):
@@ -135,14 +145,19 @@ def simulate_keys(
     capacity_tokens: int,
     policy: str = DEFAULT_POLICY,
     block_tokens: int = 512,
+    progress: Progress | None = None,
 ) -> SimulationResult:
     """Replay requests given as chunk keys (see `requests_to_keys`) through a fresh manager.
 
-    ``policy`` is a policy name, or `OPTIMAL` for `simulate_optimal`.
+    ``policy`` is a policy name, or `OPTIMAL` for `simulate_optimal`. ``progress``
+    is called every thousand requests or so, and once at the end.
     """
     if policy == OPTIMAL:
         return simulate_optimal(
-            request_keys, capacity_tokens=capacity_tokens, block_tokens=block_tokens
+            request_keys,
+            capacity_tokens=capacity_tokens,
+            block_tokens=block_tokens,
+            progress=progress,
         )
     num_chunks = capacity_chunks(capacity_tokens, block_tokens)
     manager = CPUOffloadingManager(num_chunks, create_policy(policy, num_chunks))
@@ -153,8 +168,9 @@ def simulate_keys(
     complete_store = manager.complete_store
     touch = manager.touch
     blocks = hit_blocks = store_failures = 0
+    total = len(request_keys)
     start = time.perf_counter()
-    for keys in request_keys:
+    for done, keys in enumerate(request_keys, 1):
         blocks += len(keys)
         hits = lookup_prefix(keys)
         hit_keys = keys[:hits]
@@ -170,6 +186,10 @@ def simulate_keys(
         if hits:
             complete_load(hit_keys)
         touch(keys)
+        if progress is not None and not done % _PROGRESS_EVERY:
+            progress(done, total, hit_blocks, blocks)
+    if progress is not None:
+        progress(total, total, hit_blocks, blocks)
     return SimulationResult.of(
         policy=policy,
         capacity_tokens=capacity_tokens,
@@ -230,6 +250,7 @@ def simulate_optimal(
     *,
     capacity_tokens: int,
     block_tokens: int = 512,
+    progress: Progress | None = None,
 ) -> SimulationResult:
     """The offline optimum (Belady's MIN) over the same requests and pinning as `simulate_keys`.
 
@@ -247,8 +268,9 @@ def simulate_optimal(
     heap: list[tuple[int, OffloadKey]] = []  # (-next use, key), stale entries skipped
     blocks = hit_blocks = store_failures = evictions = 0
     position = 0
+    total = len(request_keys)
     start = time.perf_counter()
-    for keys in request_keys:
+    for done, keys in enumerate(request_keys, 1):
         blocks += len(keys)
         hits = 0
         for key in keys:
@@ -288,6 +310,10 @@ def simulate_optimal(
         if len(heap) > 4 * len(cache) + 1024:  # drop stale entries now and then
             heap = [(-use, key) for key, use in cache.items()]
             heapq.heapify(heap)
+        if progress is not None and not done % _PROGRESS_EVERY:
+            progress(done, total, hit_blocks, blocks)
+    if progress is not None:
+        progress(total, total, hit_blocks, blocks)
     return SimulationResult.of(
         policy=OPTIMAL,
         capacity_tokens=capacity_tokens,
@@ -305,18 +331,30 @@ class PlotUnavailableError(TieringError):
     """``--plot`` was asked for but matplotlib (the ``plot`` extra) is not installed."""
 
 
-def check_plotting(path: Path | str) -> None:
-    """Before a long run: raise `PlotUnavailableError` unless matplotlib can be
-    imported, and `TieringError` unless ``path``'s folder exists and is writable."""
+def check_plotting(path: Path | str) -> str:
+    """Before a long run: the file format ``path``'s suffix names (``png``, ``svg``...).
+
+    Raises `PlotUnavailableError` unless matplotlib can be imported, and
+    `TieringError` unless matplotlib writes that format and ``path``'s folder
+    exists and is writable.
+    """
     try:
         import matplotlib  # noqa: F401
+        from matplotlib.backend_bases import FigureCanvasBase
     except ImportError:
         raise PlotUnavailableError(_NO_MATPLOTLIB) from None
+    suffix = Path(path).suffix
+    if suffix.lower()[1:] not in FigureCanvasBase.get_supported_filetypes():
+        what = f"matplotlib writes no format {suffix!r}" if suffix else "the name has no suffix"
+        raise TieringError(
+            f"cannot write plot {path}: {what}; end the name with .png, .svg or .pdf"
+        )
     folder = Path(path).parent
     if not folder.is_dir():
         raise TieringError(f"cannot write plot {path}: no folder {folder}")
     if not os.access(folder, os.W_OK):
         raise TieringError(f"cannot write plot {path}: folder {folder} is not writable")
+    return suffix.lower()[1:]
 
 
 _NO_MATPLOTLIB = "--plot needs matplotlib: pip install 'tiering[plot]' (or matplotlib>=3.8)"
@@ -331,11 +369,13 @@ def _short_tokens(tokens: int) -> str:
 
 
 def plot_hit_rates(results: Sequence[SimulationResult], path: Path | str, *, title: str) -> None:
-    """Draw hit rate against capacity, a line per policy, the optimum dashed; save a PNG.
+    """Draw hit rate against capacity, a line per policy, the optimum dashed, and save
+    it in the format the suffix of ``path`` names (`check_plotting`).
 
     Imports matplotlib here only (the ``plot`` extra); raises `PlotUnavailableError`
     when it is missing and `TieringError` when the file cannot be written.
     """
+    file_format = check_plotting(path)
     try:
         import matplotlib
 
@@ -369,8 +409,46 @@ def plot_hit_rates(results: Sequence[SimulationResult], path: Path | str, *, tit
         ax.legend(fontsize=8)
         fig.tight_layout()
         try:
-            fig.savefig(path, format="png")
+            fig.savefig(path, format=file_format)
         except OSError as exc:
             raise TieringError(f"cannot write plot {path}: {exc.strerror or exc}") from exc
     finally:
         plt.close(fig)
+
+
+class ProgressBar:
+    """A one-line progress bar on a terminal, redrawn at most every 0.1 s: a `Progress`.
+
+    ``label`` names the run under way (drawn at least once each, whatever the
+    time); the line ends once ``done`` reaches ``total``.
+    """
+
+    def __init__(self, stream: TextIO | None = None, width: int = 30) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.width = width
+        self.label = ""
+        self._drawn_label: str | None = None
+        self._drawn = 0  # the length of the line on screen
+        self._last = 0.0
+        self._start = time.perf_counter()
+
+    def __call__(self, done: int, total: int, hits: int, blocks: int) -> None:
+        now = time.perf_counter()
+        if now - self._last < 0.1 and done < total and self.label == self._drawn_label:
+            return
+        self._last = now
+        self._drawn_label = self.label
+        filled = math.floor(self.width * done / total) if total else self.width
+        bar = "#" * filled + "-" * (self.width - filled)
+        rate = done / (now - self._start) if now > self._start else 0.0
+        hit = hits / blocks if blocks else 0.0
+        line = (
+            f"{self.label}[{bar}] {done:,}/{total:,} requests  hit rate {hit:.1%}  "
+            f"{rate:,.0f} req/s"
+        )
+        self.stream.write("\r" + line.ljust(self._drawn))
+        self._drawn = len(line)
+        if done >= total:
+            self.stream.write("\n")
+            self._drawn = 0
+        self.stream.flush()

@@ -11,7 +11,7 @@ from tiering.workload.chat import chat_workload
 from tiering.workload.documents import documents_workload
 from tiering.workload.trace import Request
 
-__all__ = ["WORKLOADS", "WorkloadFactory", "load_workload"]
+__all__ = ["CAPACITY_TOKENS", "WORKLOADS", "WorkloadFactory", "load_workload"]
 
 
 class WorkloadFactory(Protocol):
@@ -24,6 +24,13 @@ class WorkloadFactory(Protocol):
 #: prompts, and short questions over long shared documents.
 WORKLOADS: Mapping[str, WorkloadFactory] = MappingProxyType(
     {"chat": chat_workload, "documents": documents_workload}
+)
+
+#: Per built-in workload, CPU tier capacities in tokens from a small part of its
+#: reuse to nearly all of it (the README's table, `bench/policy.py`): hit rates
+#: that still rise with capacity. `tiering simulate --workload NAME` uses them.
+CAPACITY_TOKENS: Mapping[str, tuple[int, ...]] = MappingProxyType(
+    {"chat": (25_600, 102_400, 409_600), "documents": (51_200, 153_600, 512_000, 1_536_000)}
 )
 
 

@@ -15,6 +15,11 @@ these four are ignored (traces from other sources carry more); a missing key, a
 wrong type, a negative number, a line that is not a JSON object or not UTF-8
 raises `WorkloadError` naming the file and the 1-based line number. Blank lines
 are skipped.
+
+A request whose ``hash_ids`` disagree with its ``input_length`` (not
+``ceil(input_length / BLOCK_TOKENS)`` of them) or name one block twice is read
+as given: such a trace can still be replayed, so `check_trace` counts them and
+leaves reporting them to the caller.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from __future__ import annotations
 import itertools
 import os
 import sys
-from collections.abc import Generator, Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Annotated, BinaryIO
 
@@ -33,6 +38,8 @@ from tiering.errors import WorkloadError
 __all__ = [
     "BLOCK_TOKENS",
     "Request",
+    "TraceCheck",
+    "check_trace",
     "iter_trace",
     "read_trace",
     "write_trace",
@@ -59,6 +66,43 @@ class Request(msgspec.Struct, frozen=True, kw_only=True):
     """Answer length in tokens."""
     hash_ids: tuple[_NonNegative, ...]
     """One prefix-hash id per `BLOCK_TOKENS`-token block of the prompt."""
+
+
+class TraceCheck(msgspec.Struct, frozen=True, kw_only=True):
+    """What `check_trace` found; request numbers are 0-based indices, None when none."""
+
+    requests: int
+    length_mismatches: int
+    """Requests whose ``input_length`` needs another number of hash ids."""
+    repeated_ids: int
+    """Requests that name one hash id more than once."""
+    first_mismatch: int | None
+    first_repeat: int | None
+
+    @property
+    def consistent(self) -> bool:
+        """True when every request's hash ids agree with its length and are distinct."""
+        return not (self.length_mismatches or self.repeated_ids)
+
+
+def check_trace(requests: Sequence[Request], *, block_tokens: int = BLOCK_TOKENS) -> TraceCheck:
+    """Count the requests whose hash ids are not ``ceil(input_length / block_tokens)``
+    or repeat an id (a block cannot be its own prefix)."""
+    if block_tokens < 1:
+        raise WorkloadError(f"block tokens must be at least 1, got {block_tokens}")
+    mismatches = [
+        i
+        for i, r in enumerate(requests)
+        if len(r.hash_ids) != -(-r.input_length // block_tokens)  # ceil
+    ]
+    repeats = [i for i, r in enumerate(requests) if len(set(r.hash_ids)) != len(r.hash_ids)]
+    return TraceCheck(
+        requests=len(requests),
+        length_mismatches=len(mismatches),
+        repeated_ids=len(repeats),
+        first_mismatch=mismatches[0] if mismatches else None,
+        first_repeat=repeats[0] if repeats else None,
+    )
 
 
 _DECODER = msgspec.json.Decoder(Request)
