@@ -5,14 +5,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import anyio
 import pytest
 
 from tiering.cli import main
+from tiering.errors import CapacityError
 from tiering.policies import POLICY_NAMES
 from tiering.replay import ReplayOptions, replay
 from tiering.simulate import simulate
 from tiering.transfer.mock import MockJob
-from tiering.workload import chat_workload, read_trace
+from tiering.workload import chat_workload, read_trace, write_trace
 
 pytestmark = pytest.mark.anyio
 
@@ -114,6 +116,55 @@ def test_cli_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert "not checked (--verify)" in out
 
 
+def test_cli_table_has_decimal_units_a_legend_and_says_how_it_compares_with_simulate(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["replay", "--workload", "chat", "--requests", "80", "--cpu-bytes", "4000000",
+                 "--bytes-per-token", "16", "--concurrency", "3"]) == 0  # fmt: skip
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split("  ")[0]: line for line in lines}
+    assert "MiB" not in "\n".join(lines)
+    assert "GiB" not in "\n".join(lines)
+    assert rows["CPU tier"].endswith(" 488 chunks, 4.00 MB, aslru")  # of 8,192 bytes each
+    assert "80 requests of the chat workload, 3 at once" in rows["requests"]
+    compare, legend = lines[-2:]
+    assert compare.startswith("3 requests at once: ")
+    assert "`tiering simulate --requests 80`" in compare
+    assert legend.startswith("block: 512 tokens of KV, 8.19 kB, one a chunk; hit rate: ")
+    assert "1 GB = 10^9 bytes" in legend
+
+
+def test_cli_one_at_a_time_says_it_hits_as_simulate(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, chat_workload(40, seed=2))
+    assert main(["replay", "--trace", str(trace), "--cpu-bytes", "4000000",
+                 "--bytes-per-token", "16", "--concurrency", "1"]) == 0  # fmt: skip
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split("  ")[-1].startswith("all 40 requests of t.jsonl, 1 at once")
+    assert lines[-2].startswith("one request at a time: the hit rate is `tiering simulate`'s")
+
+
+def test_a_kv_cache_larger_than_memory_is_refused_before_it_is_allocated(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import tiering.replay
+
+    requests = chat_workload(20, seed=1)
+    longest = max(len(r.hash_ids) for r in requests)
+    kv_bytes = 2 * longest * 16 * 512
+    monkeypatch.setattr(tiering.replay, "available_host_bytes", lambda: kv_bytes - 1)
+
+    def no_allocation(*args: object, **kwargs: object) -> None:
+        raise AssertionError("allocated")
+
+    monkeypatch.setattr(tiering.replay.torch, "zeros", no_allocation)
+    options = ReplayOptions(capacity_tokens=51200, bytes_per_token=16, concurrency=2)
+    with pytest.raises(CapacityError, match=f"concurrency 2 x {longest} blocks"):
+        anyio.run(replay, requests, options)
+
+
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
@@ -123,6 +174,8 @@ def test_cli_table(capsys: pytest.CaptureFixture[str]) -> None:
         (["--concurrency", "0"], "0"),
         (["--policy", "mru"], "mru"),
         (["--capacity-tokens", "1000", "--cpu-bytes", "1000"], "not allowed with"),
+        (["--concurrency", "1000000"], "concurrency 1,000,000 x "),
+        (["--bytes-per-token", "1000000000000"], "lower concurrency or bytes-per-token"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(

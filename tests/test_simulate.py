@@ -269,3 +269,112 @@ def test_cli_plot_without_matplotlib_is_one_line_and_exit_2(
     assert captured.err.count("\n") == 1
     assert "matplotlib" in captured.err
     assert not (tmp_path / "p.png").exists()
+
+
+def test_cli_shows_progress_per_policy_and_capacity_on_a_terminal(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    argv = ["simulate", "--workload", "chat", "--requests", "60", "--policy", "lru,optimal",
+            "--capacity-tokens", "5120,10240"]  # fmt: skip
+    assert main(argv) == 0
+    assert capsys.readouterr().err == ""  # not a terminal: no bar
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    runs = ["lru at 5,120 tokens (1/4)", "lru at 10,240 tokens (2/4)",
+            "optimal at 5,120 tokens (3/4)", "optimal at 10,240 tokens (4/4)"]  # fmt: skip
+    drawn = err.split("\r")[1:]
+    for run in runs:
+        assert any(line.startswith(run + " [") for line in drawn), run
+    assert drawn[-1].startswith(runs[-1] + " [" + "#" * 30 + "] 240/240 requests")
+    assert err.endswith("\n")
+    assert err.count("\n") == 1
+    assert out.startswith("policy ")  # the table is on stdout, apart from the bar
+    assert main([*argv, "--json"]) == 0
+    assert capsys.readouterr().err == ""  # --json: no bar
+
+
+def test_simulate_keys_reports_progress_and_its_end() -> None:
+    keys = ids_to_keys(*([i, i + 1] for i in range(2500)))
+    for policy in ("lru", OPTIMAL):
+        calls: list[tuple[int, int, int, int]] = []
+        result = simulate_keys(keys, capacity_tokens=8 * 512, policy=policy,
+                               progress=lambda *a, calls=calls: calls.append(a))  # fmt: skip
+        assert [c[:2] for c in calls] == [(1024, 2500), (2048, 2500), (2500, 2500)]
+        assert calls[-1][2:] == (result.hit_blocks, result.blocks)
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        (["--workload", "chat"], [25_600, 102_400, 409_600]),
+        (["--workload", "documents"], [51_200, 153_600, 512_000, 1_536_000]),
+        (["--trace", "TRACE"], [1_000_000, 3_000_000, 10_000_000]),
+    ],
+)
+def test_default_capacities_fit_the_source(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], source: list[str], expected: list[int]
+) -> None:
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, chat_workload(50, seed=1))
+    source = [str(trace) if a == "TRACE" else a for a in source]
+    assert main(["simulate", *source, "--requests", "400", "--policy", "lru", "--json"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["capacity_tokens"] for r in records] == expected
+    if source[0] == "--workload":  # the curve rises: not every capacity holds it all
+        rates = [r["hit_rate"] for r in records]
+        assert rates == sorted(rates)
+        assert rates[0] < rates[-1]
+
+
+def test_cli_table_says_what_ran_and_has_a_legend(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, chat_workload(70, seed=1))
+    scopes = [([], "all 70 requests"), (["--requests", "50"], "the first 50 requests")]
+    for extra, scope in scopes:
+        assert main(["simulate", "--trace", str(trace), "--capacity-tokens", "25600",
+                     "--policy", "lru", *extra]) == 0  # fmt: skip
+        lines = capsys.readouterr().out.splitlines()
+        assert lines[-2].startswith(f"{scope} of t.jsonl, ")
+        assert "blocks of 512 tokens, one request at a time" in lines[-2]
+        assert "`tiering replay --concurrency 1`" in lines[-2]
+        legend = lines[-1]
+        for column in ("hit rate:", "chunks:", "store failures:", "keys/s:"):
+            assert column in legend
+
+
+@pytest.mark.parametrize(("suffix", "magic"), [(".png", b"\x89PNG"), (".SVG", b"<?xml"),
+                                               (".pdf", b"%PDF")])  # fmt: skip
+def test_cli_plot_writes_the_format_its_suffix_names(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], suffix: str, magic: bytes
+) -> None:
+    pytest.importorskip("matplotlib")
+    out = tmp_path / f"plot{suffix}"
+    assert main(["simulate", "--workload", "chat", "--requests", "60", "--policy", "lru",
+                 "--capacity-tokens", "5120,10240", "--plot", str(out)]) == 0  # fmt: skip
+    assert out.read_bytes().startswith(magic)
+    assert capsys.readouterr().out.splitlines()[-1] == f"wrote {out}"
+    assert main(["simulate", "--workload", "chat", "--requests", "60", "--policy", "lru",
+                 "--capacity-tokens", "5120", "--plot", str(out), "--json"]) == 0  # fmt: skip
+    out_json, err = capsys.readouterr()
+    assert [json.loads(line)["policy"] for line in out_json.splitlines()] == ["lru"]
+    assert err == f"wrote {out}\n"  # stdout stays JSON lines
+
+
+@pytest.mark.parametrize(("name", "what"), [("plot.txt", "'.txt'"), ("plot", "no suffix")])
+def test_cli_plot_to_a_name_of_no_format_is_refused_before_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, what: str
+) -> None:
+    pytest.importorskip("matplotlib")
+    with pytest.raises(SystemExit) as info:
+        main(["simulate", "--workload", "chat", "--requests", "60",
+              "--plot", str(tmp_path / name)])  # fmt: skip
+    assert info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.count("\n") == 1
+    assert what in captured.err
+    assert ".png, .svg or .pdf" in captured.err
+    assert not (tmp_path / name).exists()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.metadata
 import math
 import sys
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -23,6 +24,8 @@ from tiering.policies import POLICY_NAMES
 from tiering.simulate import (
     ALL_POLICIES,
     OPTIMAL,
+    Progress,
+    ProgressBar,
     SimulationResult,
     check_plotting,
     expand_policies,
@@ -30,15 +33,27 @@ from tiering.simulate import (
     requests_to_keys,
     simulate_keys,
 )
-from tiering.workload import WORKLOADS, Request, load_workload, read_trace
+from tiering.workload import (
+    CAPACITY_TOKENS,
+    WORKLOADS,
+    Request,
+    check_trace,
+    load_workload,
+    read_trace,
+)
+from tiering.workload.synthetic import MAX_REQUESTS
 
 if TYPE_CHECKING:
     from tiering.engine import TieringEngine
     from tiering.metrics import MetricsServer
+    from tiering.replay import ReplayResult
 
 __all__ = ["main"]
 
 _EXIT_USAGE = 2
+#: `tiering simulate --trace`'s capacities: the conversation trace's (README).
+_TRACE_CAPACITY_TOKENS = (1_000_000, 3_000_000, 10_000_000)
+_METRICS_HOST = "127.0.0.1"
 
 
 class _UsageError(Exception):
@@ -112,9 +127,60 @@ def _add_workload_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _load_requests(args: argparse.Namespace) -> list[Request]:
-    if args.trace is not None:
-        return read_trace(args.trace, limit=args.requests)
-    return load_workload(args.workload, args.requests)
+    """The requests of ``--trace`` or ``--workload``; a trace whose hash ids disagree
+    with its lengths gets one warning line, and is run as given."""
+    if args.trace is None:
+        if args.requests is not None and args.requests > MAX_REQUESTS:
+            raise _UsageError(
+                f"--requests {args.requests:,} is more than a built-in workload makes; "
+                f"give at most {MAX_REQUESTS:,}"
+            )
+        requests = load_workload(args.workload, args.requests)
+    else:
+        requests = read_trace(args.trace, limit=args.requests)
+        _warn_inconsistent(args, requests)
+    if not requests:
+        raise _UsageError("the workload has no requests")
+    return requests
+
+
+def _warn_inconsistent(args: argparse.Namespace, requests: Sequence[Request]) -> None:
+    check = check_trace(requests, block_tokens=args.block_tokens)
+    if check.consistent:
+        return
+    found = []
+    if check.first_mismatch is not None:
+        r = requests[check.first_mismatch]
+        found.append(
+            f"{check.length_mismatches:,} have a number of hash ids that disagrees with their "
+            f"input_length (request {check.first_mismatch + 1}: {r.input_length:,} tokens, "
+            f"{len(r.hash_ids):,} ids; {args.block_tokens}-token blocks make "
+            f"{-(-r.input_length // args.block_tokens):,})"
+        )
+    if check.first_repeat is not None:
+        found.append(f"{check.repeated_ids:,} repeat a hash id (request {check.first_repeat + 1})")
+    print(
+        f"tiering: warning: {args.trace}: of {check.requests:,} requests, "
+        f"{' and '.join(found)}; running them as given",
+        file=sys.stderr,
+    )
+
+
+def _scope(args: argparse.Namespace, requests: Sequence[Request]) -> str:
+    """Which requests ran: all of the trace, its first N, or a built-in workload's."""
+    if args.trace is None:
+        return f"{len(requests):,} requests of the {args.workload} workload"
+    name = Path(args.trace).name
+    if args.requests is not None and len(requests) == args.requests:
+        return f"the first {len(requests):,} requests of {name}"
+    return f"all {len(requests):,} requests of {name}"
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("tiering")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+        return "unknown (not installed: pip install -e .)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -122,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="tiering",
         description="A KV-cache tiering engine for LLM inference servers.",
     )
+    parser.add_argument("--version", action="version", version=f"tiering {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sim = sub.add_parser(
         "simulate",
@@ -135,9 +202,12 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument(
         "--capacity-tokens",
         type=_int_list,
-        default=[1_000_000, 3_000_000, 10_000_000],
         metavar="N[,N...]",
-        help="tier capacities in tokens (default: 1000000,3000000,10000000)",
+        help="tier capacities in tokens (default: for a trace "
+        + ",".join(map(str, _TRACE_CAPACITY_TOKENS))
+        + "; "
+        + "; ".join(f"{name} {','.join(map(str, c))}" for name, c in CAPACITY_TOKENS.items())
+        + ")",
     )
     sim.add_argument(
         "--policy",
@@ -152,8 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument(
         "--plot",
         metavar="FILE.png",
-        help="also draw hit rate against capacity per policy, the offline optimum dashed "
-        "(needs matplotlib: the plot extra)",
+        help="also draw hit rate against capacity per policy, the offline optimum dashed, "
+        "in the format the suffix names (.png, .svg, .pdf; needs matplotlib: the plot extra)",
     )
     sim.add_argument(
         "--block-tokens",
@@ -215,12 +285,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve Prometheus metrics on port P while the replay runs (0: any free port)",
     )  # fmt: skip
     rep.add_argument(
-        "--metrics-host", default="127.0.0.1", metavar="H",
-        help="address the metrics server binds to (default 127.0.0.1)",
+        "--metrics-host", metavar="H",
+        help=f"address the metrics server binds to (default {_METRICS_HOST}; "
+        "needs --metrics-port)",
     )  # fmt: skip
     rep.add_argument(
-        "--hold", type=_seconds, default=0.0, metavar="S",
-        help="stay up S seconds after the replay, the engine still open (for a last scrape)",
+        "--hold", type=_seconds, metavar="S",
+        help="stay up S seconds after the replay, the engine still open (for a last scrape "
+        "or subscriber; needs --metrics-port or --events-endpoint)",
     )  # fmt: skip
     rep.add_argument(
         "--events-endpoint", metavar="E",
@@ -237,8 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
         "or rediss://; a Redis Cluster is detected",
     )  # fmt: skip
     rep.add_argument(
-        "--remote-namespace", default="", metavar="NS",
-        help="share remote chunks only with engines of the same namespace (and model)",
+        "--remote-namespace", metavar="NS",
+        help="share remote chunks only with engines of the same namespace (and model; "
+        "needs --remote)",
     )  # fmt: skip
     rep.add_argument("--json", action="store_true", help="print one JSON object")
     rep.set_defaults(run=_run_replay)
@@ -261,48 +334,78 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_simulate(args: argparse.Namespace) -> None:
+    plot_format = None if args.plot is None else check_plotting(args.plot)  # before a long run
     requests = _load_requests(args)
-    if not requests:
-        raise _UsageError("the workload has no requests")
-    if args.plot is not None:
-        check_plotting(args.plot)  # fail before a long run, not after it
+    capacities = args.capacity_tokens or (
+        _TRACE_CAPACITY_TOKENS if args.trace is not None else CAPACITY_TOKENS[args.workload]
+    )
     request_keys = requests_to_keys(requests)
     encoder = msgspec.json.Encoder()
-    results: list[SimulationResult] = []
     policies = expand_policies(args.policy)
-    for policy in policies:
-        for capacity in args.capacity_tokens:
-            result = simulate_keys(
-                request_keys,
-                capacity_tokens=capacity,
-                policy=policy,
-                block_tokens=args.block_tokens,
-            )
-            if args.json:
-                sys.stdout.buffer.write(encoder.encode(result) + b"\n")
-                sys.stdout.flush()
-            results.append(result)
+    runs = [(policy, capacity) for policy in policies for capacity in capacities]
+    if plot_format is not None and OPTIMAL not in policies:  # the plot always shows it
+        runs += [(OPTIMAL, capacity) for capacity in capacities]
+    bar = ProgressBar() if not args.json and sys.stderr.isatty() else None
+    results: list[SimulationResult] = []
+    for index, (policy, capacity) in enumerate(runs):
+        progress = None
+        if bar is not None:
+            bar.label = f"{policy} at {capacity:,} tokens ({index + 1}/{len(runs)}) "
+            progress = _run_of(bar, index, len(runs))
+        result = simulate_keys(
+            request_keys,
+            capacity_tokens=capacity,
+            policy=policy,
+            block_tokens=args.block_tokens,
+            progress=progress,
+        )
+        if args.json and policy in policies:
+            sys.stdout.buffer.write(encoder.encode(result) + b"\n")
+            sys.stdout.flush()
+        results.append(result)
     if not args.json:
-        print(_simulation_table(results))
+        print(_simulation_table(results[: len(policies) * len(capacities)], args, requests))
     if args.plot is not None:
-        drawn = list(results)
-        if OPTIMAL not in policies:  # the plot always shows the optimum
-            drawn += [
-                simulate_keys(request_keys, capacity_tokens=capacity, policy=OPTIMAL,
-                              block_tokens=args.block_tokens)
-                for capacity in args.capacity_tokens
-            ]  # fmt: skip
         source = Path(args.trace).name if args.trace is not None else f"{args.workload} workload"
         title = f"{source}: {len(requests):,} requests, {results[0].blocks:,} blocks"
-        plot_hit_rates(drawn, args.plot, title=title)
+        plot_hit_rates(results, args.plot, title=title)
+        print(f"wrote {args.plot}", file=sys.stderr if args.json else sys.stdout)
+
+
+def _run_of(bar: Progress, index: int, runs: int) -> Progress:
+    """The progress of run ``index`` of ``runs`` (each over the same requests) as a
+    part of them all."""
+
+    def report(done: int, total: int, hits: int, blocks: int) -> None:
+        bar(index * total + done, runs * total, hits, blocks)
+
+    return report
+
+
+def _check_replay_flags(args: argparse.Namespace) -> None:
+    """Refuse flags that mean nothing without another one."""
+    if args.metrics_host is not None and args.metrics_port is None:
+        raise _UsageError(
+            f"--metrics-host {args.metrics_host} is the metrics server's address, and no "
+            "server was asked for: add --metrics-port P, or drop --metrics-host"
+        )
+    if args.hold is not None and args.metrics_port is None and args.events_endpoint is None:
+        raise _UsageError(
+            f"--hold {args.hold:g} keeps metrics or events up after the replay, and neither "
+            "is on: add --metrics-port P or --events-endpoint E, or drop --hold"
+        )
+    if args.remote_namespace is not None and args.remote is None:
+        raise _UsageError(
+            f"--remote-namespace {args.remote_namespace!r} names a namespace in a remote "
+            "tier, and none was given: add --remote URL, or drop --remote-namespace"
+        )
 
 
 def _run_replay(args: argparse.Namespace) -> None:
-    from tiering.replay import ReplayOptions, run_replay  # torch and anyio: only when used
+    from tiering.replay import ReplayOptions, format_bytes, run_replay  # torch, anyio: if used
 
+    _check_replay_flags(args)
     requests = _load_requests(args)
-    if not requests:
-        raise _UsageError("the workload has no requests")
     size = {"cpu_bytes": args.cpu_bytes} if args.cpu_bytes else {}
     if args.capacity_tokens:  # else ReplayOptions' default capacity, unless bytes are given
         size["capacity_tokens"] = args.capacity_tokens
@@ -314,11 +417,11 @@ def _run_replay(args: argparse.Namespace) -> None:
         concurrency=args.concurrency,
         verify=args.verify,
         backend=args.backend,
-        hold=args.hold,
+        hold=args.hold or 0.0,
         events_endpoint=args.events_endpoint,
         replay_endpoint=args.replay_endpoint,
         remote=args.remote,
-        remote_namespace=args.remote_namespace,
+        remote_namespace=args.remote_namespace or "",
     )
     result = run_replay(
         requests,
@@ -331,12 +434,12 @@ def _run_replay(args: argparse.Namespace) -> None:
         return
     r = result
     rows = [
-        ("requests", f"{r.requests:,} ({r.concurrency} at once, {r.backend} backend)"),
-        ("CPU tier", f"{r.capacity_chunks:,} chunks, {r.cpu_bytes / 2**20:,.1f} MiB, {r.policy}"),
+        ("requests", f"{_scope(args, requests)}, {r.concurrency} at once, {r.backend} backend"),
+        ("CPU tier", f"{r.capacity_chunks:,} chunks, {format_bytes(r.cpu_bytes)}, {r.policy}"),
         ("hit rate", f"{r.hit_rate:.2%} ({r.hit_blocks:,} of {r.blocks:,} blocks loaded back)"),
-        ("stored", f"{r.stored_chunks:,} chunks, {r.store_bytes / 1e9:.2f} GB at "
+        ("stored", f"{r.stored_chunks:,} chunks, {format_bytes(r.store_bytes)} at "
                    f"{r.store_gbps:.2f} GB/s"),
-        ("loaded", f"{r.loaded_chunks:,} chunks, {r.load_bytes / 1e9:.2f} GB at "
+        ("loaded", f"{r.loaded_chunks:,} chunks, {format_bytes(r.load_bytes)} at "
                    f"{r.load_gbps:.2f} GB/s"),
         ("evictions", f"{r.evictions:,}"),
         ("job latency", f"p50 {r.job_latency_p50_ms:.2f} ms, p99 {r.job_latency_p99_ms:.2f} ms"),
@@ -351,6 +454,28 @@ def _run_replay(args: argparse.Namespace) -> None:
     ]  # fmt: skip
     width = max(len(name) for name, _ in rows)
     print("\n".join(f"{name:<{width}}  {value}" for name, value in rows))
+    print(_replay_against_simulate(r, args))
+    block = format_bytes(args.bytes_per_token * args.block_tokens)
+    print(
+        f"block: {args.block_tokens} tokens of KV, {block}, one a chunk; hit rate: blocks "
+        "loaded back from the tiers / all blocks; GB/s: over the copies' own time; "
+        "1 GB = 10^9 bytes"
+    )
+
+
+def _replay_against_simulate(r: ReplayResult, args: argparse.Namespace) -> str:
+    """Why the hit rate may differ from `tiering simulate`'s, in one line."""
+    same = f" --requests {r.requests}" if args.requests is not None else ""
+    if r.concurrency == 1:
+        return (
+            f"one request at a time: the hit rate is `tiering simulate{same}`'s at the same "
+            "capacity and policy"
+        )
+    return (
+        f"{r.concurrency} requests at once: one can miss chunks others are still storing, so "
+        f"the hit rate can be below `tiering simulate{same}`'s (one at a time, as "
+        "--concurrency 1)"
+    )
 
 
 def _services(
@@ -368,7 +493,7 @@ def _services(
         async with contextlib.AsyncExitStack() as stack:
             if serve is not None:
                 server = await stack.enter_async_context(
-                    serve(engine, args.metrics_host, port=args.metrics_port)
+                    serve(engine, args.metrics_host or _METRICS_HOST, port=args.metrics_port)
                 )
                 print(f"tiering: serving metrics at {server.url}", file=sys.stderr, flush=True)
             if engine.event_endpoints is not None:
@@ -390,7 +515,9 @@ def _run_events(args: argparse.Namespace) -> None:
     anyio.run(print_events, args.endpoint, args.replay_endpoint, args.json, sys.stdout, args.limit)
 
 
-def _simulation_table(results: Sequence[SimulationResult]) -> str:
+def _simulation_table(
+    results: Sequence[SimulationResult], args: argparse.Namespace, requests: Sequence[Request]
+) -> str:
     header = ("policy", "capacity tokens", "chunks", "hit rate", "hit blocks", "evictions",
               "store failures", "keys/s")  # fmt: skip
     rows = [
@@ -414,9 +541,15 @@ def _simulation_table(results: Sequence[SimulationResult]) -> str:
         )
         for row in (header, *rows)
     ]
-    first = results[0]
     lines.insert(1, "-" * len(lines[0]))
-    lines.append(f"{first.requests:,} requests, {first.blocks:,} blocks")
+    lines.append(
+        f"{_scope(args, requests)}, {results[0].blocks:,} blocks of {args.block_tokens} "
+        "tokens, one request at a time (as `tiering replay --concurrency 1`, which hits the same)"
+    )
+    lines.append(
+        "hit rate: blocks found in the CPU tier / all blocks; chunks: blocks it holds; "
+        "store failures: requests that found no room; keys/s: blocks simulated per second"
+    )
     return "\n".join(lines)
 
 

@@ -1,13 +1,23 @@
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import pytest
 
 import tiering.workload
+from tiering.cli import main
 from tiering.errors import TieringError, WorkloadError
-from tiering.workload import BLOCK_TOKENS, Request, iter_trace, read_trace, write_trace
+from tiering.workload import (
+    BLOCK_TOKENS,
+    Request,
+    TraceCheck,
+    check_trace,
+    iter_trace,
+    read_trace,
+    write_trace,
+)
 
 TRACES = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces"
 CONVERSATION = TRACES / "conversation_trace.jsonl"
@@ -252,3 +262,59 @@ def test_a_huge_limit_reads_everything(tmp_path: Path) -> None:
     path = tmp_path / "one.jsonl"
     path.write_text('{"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [1]}\n')
     assert len(read_trace(path, limit=10**20)) == 1
+
+
+def _line(input_length: int, hash_ids: list[int]) -> str:
+    return (
+        f'{{"timestamp": 0, "input_length": {input_length}, "output_length": 1, '
+        f'"hash_ids": {hash_ids}}}'
+    )
+
+
+def test_check_trace_counts_lengths_that_disagree_with_the_ids_and_repeated_ids() -> None:
+    def request(input_length: int, hash_ids: list[int]) -> Request:
+        return Request(timestamp=0, input_length=input_length, output_length=1,
+                       hash_ids=tuple(hash_ids))  # fmt: skip
+
+    requests = [
+        request(600, [0, 1]),  # two 512-token blocks: right
+        request(100, list(range(10))),  # one block, ten ids
+        request(1024, []),  # two blocks, no id
+        request(1024, [5, 5]),  # the right count, one id twice
+        request(0, []),  # an empty prompt has no block
+        request(512, [7]),
+    ]
+    check = check_trace(requests)
+    assert check == TraceCheck(requests=6, length_mismatches=2, repeated_ids=1,
+                               first_mismatch=1, first_repeat=3)  # fmt: skip
+    assert not check.consistent
+    assert check_trace([requests[0], requests[4], requests[5]]).consistent
+    # 256-token blocks: 600 tokens make 3 ids, 100 make 1, 1024 make 4, 512 make 2.
+    assert check_trace(requests, block_tokens=256).length_mismatches == 5
+    with pytest.raises(WorkloadError, match="block tokens must be at least 1, got 0"):
+        check_trace(requests, block_tokens=0)
+
+
+@needs_trace
+def test_the_conversation_trace_is_consistent() -> None:
+    assert check_trace(read_trace(CONVERSATION)).consistent
+
+
+@pytest.mark.parametrize("command", ["simulate", "replay"])
+def test_the_cli_warns_once_with_the_counts_and_runs_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    lines = [_line(100, list(range(10))), _line(1024, []), GOOD, _line(1024, [5, 5])]
+    trace = write_lines(tmp_path / "t.jsonl", *lines, *lines)  # each problem twice
+    assert main([command, "--trace", str(trace), "--capacity-tokens", "5120", "--policy", "lru",
+                 "--json"]) == 0  # fmt: skip
+    out, err = capsys.readouterr()
+    assert json.loads(out.splitlines()[0])["requests"] == 8  # the run went on
+    assert err.count("\n") == 1
+    assert err.startswith(f"tiering: warning: {trace}: of 8 requests, 4 have a number of hash ")
+    assert "(request 1: 100 tokens, 10 ids; 512-token blocks make 1)" in err
+    assert "2 repeat a hash id (request 4)" in err
+    capsys.readouterr()
+    assert main([command, "--trace", str(write_lines(tmp_path / "ok.jsonl", GOOD)),
+                 "--capacity-tokens", "5120", "--json"]) == 0  # fmt: skip
+    assert capsys.readouterr().err == ""
