@@ -22,10 +22,13 @@ test: install
 run: install
 	@if [ -f "$(TRACE)" ]; then src="--trace $(TRACE)"; else \
 		echo "no trace at $(TRACE); using the built-in chat workload"; src="--workload chat"; fi; \
-	echo "== tiering simulate: hit rate per policy and CPU tier size (no bytes moved)"; \
+	echo "== tiering simulate: hit rate per policy and CPU tier size, every request one at a time (no bytes moved)"; \
 	$(BIN)/tiering simulate $$src --capacity-tokens 1000000,3000000,10000000 --policy all && \
-	echo && echo "== tiering replay: the engine moving real bytes, 2000 requests, verified" && \
-	$(BIN)/tiering replay $$src --requests 2000 --capacity-tokens 3000000 --verify
+	echo && echo "== tiering replay: the engine moving real bytes, verified: the first 2000 requests only, 4 at once" && \
+	echo "   (a colder tier than simulate's over every request: a lower hit rate at 3000000 tokens)" && \
+	$(BIN)/tiering replay $$src --requests 2000 --capacity-tokens 3000000 --verify && \
+	echo && echo "== to run tiering yourself, activate the venv (or call $(BIN)/tiering):" && \
+	echo "   source $(VENV)/bin/activate"
 
 check: install
 	$(BIN)/ruff format --check tiering tests bench
