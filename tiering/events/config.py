@@ -3,7 +3,11 @@
 `KVEventsConfig` mirrors vLLM's ``KVEventsConfig`` (same names, same
 defaults) so a server can pass its own values through. It is checked in
 ``__post_init__``: a record that exists is a possible one, and a bad value
-raises a `ConfigError` that names the field, the value and what would do.
+raises a `ConfigError` that names the field, the value and what would do. A
+``tcp://`` endpoint must name ``host:port`` with a port in 1-65535 or ``*``
+(ZeroMQ itself would silently take ``99999`` modulo 65536 when binding, and
+retry a connect to it forever), and the replay endpoint must not name the
+address of the PUB endpoint.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import msgspec
 
 from tiering.errors import ConfigError
 
-__all__ = ["ZMQ_TRANSPORTS", "HashFormat", "KVEventsConfig"]
+__all__ = ["ZMQ_TRANSPORTS", "HashFormat", "KVEventsConfig", "tcp_address", "wildcard_of"]
 
 #: ZeroMQ transports an endpoint may name (``<transport>://<address>``).
 ZMQ_TRANSPORTS: tuple[str, ...] = ("tcp", "ipc", "inproc", "pgm", "epgm", "ws", "wss", "vmci")
@@ -27,13 +31,58 @@ class HashFormat(enum.StrEnum):
     BYTES = "bytes"
 
 
+#: Hosts that stand for every interface of the machine: a bind there takes all of them.
+_ANY_HOSTS = frozenset({"*", "0.0.0.0", "::", "[::]"})
+
+
+def tcp_address(endpoint: str) -> tuple[str, str] | None:
+    """``(host, port)`` of a ``tcp://[source;]host:port`` endpoint (an IPv6 host keeps its
+    brackets); None for another transport or an address without ``:``."""
+    if not endpoint.startswith("tcp://"):
+        return None
+    address = endpoint[len("tcp://") :].rpartition(";")[2]  # after an optional source
+    host, sep, port = address.rpartition(":")
+    return (host, port) if sep else None
+
+
+def wildcard_of(endpoint: str) -> str | None:
+    """The endpoint that binds every interface on ``endpoint``'s port (``tcp://*:5557``), or
+    None when it is not a ``tcp://`` endpoint with a port."""
+    address = tcp_address(endpoint)
+    return None if address is None or not address[1] else f"tcp://*:{address[1]}"
+
+
 def _check_endpoint(name: str, value: object) -> None:
-    transport, sep, address = value.partition("://") if isinstance(value, str) else ("", "", "")
+    endpoint = value if isinstance(value, str) else ""
+    transport, sep, address = endpoint.partition("://")
     if not sep or not address or transport not in ZMQ_TRANSPORTS:
         raise ConfigError(
             f"KVEventsConfig.{name} must be a ZeroMQ endpoint such as 'tcp://*:5557' or "
             f"'ipc:///tmp/kv-events' (transports: {', '.join(ZMQ_TRANSPORTS)}), got {value!r}"
         )
+    if transport != "tcp":
+        return
+    host, port = tcp_address(endpoint) or ("", "")
+    if not host or not _port_ok(port):
+        raise ConfigError(
+            f"KVEventsConfig.{name} must be tcp://HOST:PORT with a port in 1-65535, or '*' "
+            f"for a free one (e.g. 'tcp://*:5557', 'tcp://127.0.0.1:*'), got {value!r}"
+        )
+
+
+def _port_ok(port: str) -> bool:
+    return port == "*" or (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535)
+
+
+def _same_address(a: str, b: str) -> bool:
+    """Whether endpoints ``a`` and ``b`` name one address (a free port ``*`` never does)."""
+    tcp_a, tcp_b = tcp_address(a), tcp_address(b)
+    if tcp_a is None or tcp_b is None:
+        return a == b
+    (host_a, port_a), (host_b, port_b) = tcp_a, tcp_b
+    if port_a == "*" or port_b == "*" or int(port_a) != int(port_b):
+        return False
+    return host_a == host_b or host_a in _ANY_HOSTS or host_b in _ANY_HOSTS
 
 
 def _check_count(name: str, value: object, minimum: int, meaning: str) -> None:
@@ -71,6 +120,12 @@ class KVEventsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         _check_endpoint("endpoint", self.endpoint)
         if self.replay_endpoint is not None:
             _check_endpoint("replay_endpoint", self.replay_endpoint)
+            if _same_address(self.endpoint, self.replay_endpoint):
+                raise ConfigError(
+                    f"KVEventsConfig.replay_endpoint {self.replay_endpoint!r} names the address "
+                    f"of endpoint {self.endpoint!r}: the replay socket needs an address of its "
+                    "own (another port, or '*' for a free one)"
+                )
         if not isinstance(self.topic, str):
             raise ConfigError(f"KVEventsConfig.topic must be a string, got {self.topic!r}")
         _check_count("buffer_steps", self.buffer_steps, 1, "batches kept for replay")
