@@ -5,6 +5,7 @@ Test modules reach these through fixtures, never by importing this file.
 
 from __future__ import annotations
 
+import socket
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
@@ -66,3 +67,11 @@ def make_publisher(
     for publisher in built:
         publisher.close()
     assert publisher_threads() == []
+
+
+@pytest.fixture
+def refused_port() -> Iterator[int]:
+    """A loopback port that is bound but never listens: a connect to it is refused at once."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield sock.getsockname()[1]

@@ -22,6 +22,16 @@ the queue was full (its events counted) still uses its number: subscribers see
 the loss as a sequence gap that replay cannot fill. ZeroMQ itself drops
 messages for a subscriber past the PUB high-water mark, which no one can count
 here; those the subscriber sees as a gap that replay can fill.
+
+Binding or connecting: the PUB socket binds an endpoint with a ``*`` wildcard
+(and ``::``, ``ipc://``, ``inproc://``) and connects to any other, as vLLM
+does; `binds` says which. A connecting PUB socket with no subscriber bound
+there loses every batch without an error, and its subscribers, which connect
+too, never meet it. So a connecting publisher watches its socket's connection
+events (`PeerMonitor`, read by the sender thread's poller: no thread, no cost
+per batch) and logs one warning, naming the fix, when the first attempt finds
+nothing listening or a program that is not a ZeroMQ subscriber; it stops
+watching at the first subscriber's handshake.
 """
 
 from __future__ import annotations
@@ -42,7 +52,8 @@ import zmq
 
 from tiering.errors import ConfigError, ResourceClosedError
 from tiering.events.bus import SinkStatistics
-from tiering.events.config import KVEventsConfig
+from tiering.events.config import KVEventsConfig, wildcard_of
+from tiering.events.monitor import PeerEvent, PeerMonitor
 from tiering.events.schema import KVEventBatch
 
 logger = logging.getLogger(__name__)
@@ -119,6 +130,10 @@ class ZmqEventPublisher:
 
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._pub = ctx.socket(zmq.PUB)
+        self._binds = should_bind(config.endpoint)
+        self._warned = False
+        # Before connecting, so that no connection event is missed.
+        self._peers = None if self._binds else PeerMonitor(self._pub, frozenset(PeerEvent))
         self._replay: zmq.Socket[bytes] | None = None
         wake = f"inproc://tiering-events-wake-{next(_wake_ids)}"
         self._wake_rx = ctx.socket(zmq.PAIR)
@@ -137,6 +152,8 @@ class ZmqEventPublisher:
             self._wake_rx.bind(wake)
             self._wake_tx.connect(wake)
         except BaseException:
+            if self._peers is not None:
+                self._peers.close()
             for sock in (self._pub, self._replay, self._wake_rx, self._wake_tx):
                 if sock is not None:
                     sock.close(linger=0)
@@ -168,6 +185,12 @@ class ZmqEventPublisher:
     def endpoint(self) -> str:
         """The PUB address: the bound one (wildcards resolved) or the one connected to."""
         return self._endpoint
+
+    @property
+    def binds(self) -> bool:
+        """Whether the PUB socket binds `endpoint` (subscribers connect to it) or connects to it
+        (a subscriber must bind there): vLLM's rule, `should_bind`."""
+        return self._binds
 
     @property
     def replay_endpoint(self) -> str | None:
@@ -230,6 +253,8 @@ class ZmqEventPublisher:
         poller.register(self._wake_rx, zmq.POLLIN)
         if self._replay is not None:
             poller.register(self._replay, zmq.POLLIN)
+        if self._peers is not None and self._peers.socket is not None:
+            poller.register(self._peers.socket, zmq.POLLIN)
         try:
             while True:
                 for _ in range(min(len(queue), _REPLAY_CHECK_EVERY)):
@@ -253,12 +278,57 @@ class ZmqEventPublisher:
                     self._drain_wakeups()
                 if self._replay is not None and self._replay in ready:
                     self._serve_replays(self._replay)
+                if self._peers is not None and self._peers.socket in ready:
+                    self._watch_peers(poller, self._peers)
             self._flush()
         finally:
+            if self._peers is not None:
+                self._peers.close()
             self._pub.close(linger=max(0, int((self._deadline - time.monotonic()) * 1000)))
             if self._replay is not None:
                 self._replay.close(linger=0)
             self._wake_rx.close(linger=0)
+
+    def _watch_peers(self, poller: zmq.Poller, peers: PeerMonitor) -> None:
+        """Warn once when the connecting PUB socket has no subscriber; stop at the first one."""
+        outcome: PeerEvent | None = None
+        for event in peers.read():
+            if event is PeerEvent.HANDSHAKE:
+                outcome = event
+                break
+            outcome = outcome or event  # the first failure says what is wrong
+        if outcome is None:
+            return
+        poller.unregister(peers.socket)
+        if outcome is PeerEvent.HANDSHAKE:
+            if self._warned:
+                logger.info("KV cache events: a subscriber is connected at %s now", self._endpoint)
+            peers.close()
+            self._peers = None
+            return
+        self._warned = True
+        logger.warning(self._no_subscriber(outcome))
+        peers.watch(frozenset({PeerEvent.HANDSHAKE}))  # to say when one comes; nothing else
+        poller.register(peers.socket, zmq.POLLIN)
+
+    def _no_subscriber(self, outcome: PeerEvent) -> str:
+        endpoint = self._endpoint
+        wild = wildcard_of(endpoint)
+        if outcome is PeerEvent.REFUSED:
+            found = "nothing accepts connections there"
+        else:
+            found = "the program there is not a ZeroMQ subscriber (no ZeroMQ handshake)"
+        fix = (
+            f"bind one side: the publisher with {wild}, or the subscriber with "
+            f"`tiering events {wild}`"
+            if wild is not None
+            else "bind the subscriber there, or give the publisher an endpoint it binds"
+        )
+        return (
+            f"KV cache events: the publisher connects to {endpoint} (an endpoint without '*' "
+            f"connects, as in vLLM) and {found}: every batch is lost until a subscriber binds "
+            f"that address, and a subscriber that connects to it never receives anything; {fix}"
+        )
 
     def _send(self, seq: int, batch: KVEventBatch) -> None:
         try:
@@ -322,7 +392,8 @@ class ZmqEventPublisher:
     def __repr__(self) -> str:
         dropped = self._dropped_full + self._dropped_thread
         return (
-            f"<ZmqEventPublisher [{self._state.value}; {self._endpoint}, {len(self._queue)} "
+            f"<ZmqEventPublisher [{self._state.value}; {'binds' if self._binds else 'connects'} "
+            f"{self._endpoint}, {len(self._queue)} "
             f"batches queued, {len(self._buffer)} buffered for replay, {self._published} events "
             f"published, {dropped} dropped, {self._replays} replays served]>"
         )

@@ -24,6 +24,12 @@ batch the client also asks the replay socket for anything newer (one small
 request per interval while the stream is quiet). Iteration survives cancellation: a replay in
 progress resumes on the next step. A publisher restart (the sequence starting
 again from 0) is not detected: its batches look like duplicates.
+
+The SUB socket connects to its endpoint, unless the endpoint has a ``*``
+wildcard (``tcp://*:5557``): then it binds it, for a publisher that connects
+(one given a concrete host, by vLLM's rule). `has_publisher` says whether a
+publisher has been met at all, from the socket's connection events: a quiet
+stream and an endpoint nobody serves look the same otherwise.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import zmq
 from anyio.abc import AsyncResource
 
 from tiering.errors import ConfigError, ResourceClosedError
+from tiering.events.monitor import PeerEvent, PeerMonitor
 from tiering.events.publisher import END_SEQ
 from tiering.events.schema import EventItem, EventSchemaError, Gap, SequencedBatch, decode_batch
 
@@ -82,7 +89,10 @@ def _check_host(endpoint: str, what: str) -> None:
 
 
 class ZmqSubscriber(AsyncResource):
-    """A client of `ZmqEventPublisher`: connects a SUB socket and, optionally, a DEALER for replay.
+    """A client of `ZmqEventPublisher`: a SUB socket and, optionally, a DEALER for replay.
+
+    The SUB socket binds an ``endpoint`` with a ``*`` wildcard (for a publisher
+    that connects) and connects to any other; the DEALER always connects.
 
     ``start_seq=None`` starts with the first live batch; ``start_seq=n``
     yields batch ``n`` onwards (from replay when it is already past).
@@ -119,18 +129,27 @@ class ZmqSubscriber(AsyncResource):
             _check_host(replay_endpoint, "connect to replay endpoint")
         self._sub = self._ctx.socket(zmq.SUB)
         self._dealer: zmq.Socket[bytes] | None = None
+        self._binds = "*" in endpoint
+        # Before binding or connecting, so that no handshake is missed.
+        self._peers: PeerMonitor | None = PeerMonitor(self._sub, frozenset({PeerEvent.HANDSHAKE}))
+        self._met = False
         try:
             self._sub.setsockopt(zmq.RCVHWM, hwm)
             self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
-            self._sub.connect(endpoint)
+            if self._binds:
+                self._sub.bind(endpoint)
+                self._endpoint = bytes(self._sub.getsockopt(zmq.LAST_ENDPOINT)).decode()
+            else:
+                self._sub.connect(endpoint)
         except zmq.ZMQError as exc:
-            self._sub.close(linger=0)
-            raise ConfigError(f"cannot subscribe to endpoint {endpoint!r}: {exc}") from exc
+            self._close_sub()
+            verb = "bind" if self._binds else "subscribe to"
+            raise ConfigError(f"cannot {verb} endpoint {endpoint!r}: {exc}") from exc
         if replay_endpoint is not None:
             try:
                 self._dealer = self._new_dealer(replay_endpoint)
             except ConfigError:
-                self._sub.close(linger=0)
+                self._close_sub()
                 raise
         self._state = SubscriberState.OPEN
         self._expected: int | None = start_seq  # the next seq to yield
@@ -156,9 +175,39 @@ class ZmqSubscriber(AsyncResource):
             raise ConfigError(f"cannot connect to replay endpoint {endpoint!r}: {exc}") from exc
         return dealer
 
+    def _close_sub(self) -> None:
+        if self._peers is not None:
+            self._peers.close()
+            self._peers = None
+        self._sub.close(linger=0)
+
     @property
     def state(self) -> SubscriberState:
         return self._state
+
+    @property
+    def endpoint(self) -> str:
+        """The SUB address: the one connected to, or the bound one (wildcards resolved)."""
+        return self._endpoint
+
+    @property
+    def binds(self) -> bool:
+        """Whether the SUB socket binds `endpoint` (it has a ``*``) or connects to it."""
+        return self._binds
+
+    @property
+    def has_publisher(self) -> bool:
+        """Whether a ZeroMQ peer has completed a handshake with the SUB socket (so far).
+
+        False at an endpoint nobody serves, and while the connection is being
+        made; once True it stays True. Never waits.
+        """
+        peers = self._peers
+        if not self._met and peers is not None and PeerEvent.HANDSHAKE in peers.read():
+            self._met = True
+            peers.close()  # nothing more to learn
+            self._peers = None
+        return self._met
 
     def statistics(self) -> SubscriberStatistics:
         return SubscriberStatistics(
@@ -290,6 +339,9 @@ class ZmqSubscriber(AsyncResource):
             return
         self._state = SubscriberState.CLOSED
         self._pending.clear()
+        if self._peers is not None:
+            self._peers.close()
+            self._peers = None
         for sock in (self._sub, self._dealer):
             if sock is not None:
                 anyio.notify_closing(sock)
