@@ -19,7 +19,7 @@ from tiering.events import (
     print_events,
 )
 from tiering.events.publisher import ZmqEventPublisher
-from tiering.events.tool import format_event
+from tiering.events.tool import format_event, silence_message
 
 pytestmark = pytest.mark.anyio
 
@@ -107,3 +107,41 @@ async def test_print_events_replays_history_then_stops_at_the_limit(
         assert lines[1].startswith("seq=2 ts=2.000000 BlockRemoved medium=CPU group=1")
         assert lines[3].startswith("seq=3 ")
     assert await print_events(publisher.endpoint, None, json_lines, out, limit=0) == 0
+
+
+async def test_print_events_gives_up_at_an_endpoint_nobody_serves(refused_port: int) -> None:
+    endpoint = f"tcp://127.0.0.1:{refused_port}"
+    out, status = io.StringIO(), io.StringIO()
+    with pytest.raises(TimeoutError, match=f"no KV cache events at {endpoint} in 0.1 s: no pub"):
+        await print_events(endpoint, None, False, out, first_timeout=0.1, status=status)
+    assert status.getvalue().startswith(f"tiering events: connecting to {endpoint}; waiting")
+    assert out.getvalue() == ""
+
+
+async def test_print_events_without_a_first_timeout_waits_on(refused_port: int) -> None:
+    status = io.StringIO()
+    with anyio.move_on_after(0.1) as scope:  # only a cancellation ends it
+        await print_events(
+            f"tcp://127.0.0.1:{refused_port}", None, False, io.StringIO(), status=status
+        )
+    assert scope.cancelled_caught
+    assert status.getvalue().endswith(", no time limit\n")
+
+
+async def test_a_quiet_publisher_is_told_apart_from_none(
+    make_publisher: Callable[..., ZmqEventPublisher],
+) -> None:
+    publisher = make_publisher(replay=False)
+    with anyio.fail_after(10):
+        async with ZmqSubscriber(publisher.endpoint) as subscriber:
+            assert not subscriber.binds
+            while True:  # until the subscription is through: then it has met the publisher
+                publisher.publish(KVEventBatch(ts=0.0, events=[REMOVED]))
+                with anyio.move_on_after(0.05):
+                    await anext(subscriber)
+                    break
+            message = silence_message(subscriber, 3)
+    assert message == (
+        f"no KV cache events at {publisher.endpoint} in 3 s: a publisher is connected but sent "
+        "nothing (an engine publishes only when its cache changes); --timeout 0 waits for ever"
+    )

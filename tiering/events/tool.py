@@ -4,6 +4,13 @@ Human lines read ``seq=12 ts=1757500000.250000 BlockStored medium=CPU group=0
 hashes=4 first=0x00000000deadbeef block_size=256 tokens=0 parent=-``; a lost
 range reads ``seq=5..9 Gap lost=5``. JSON lines carry every field of the
 event plus ``seq``, ``ts`` and ``data_parallel_rank``, with bytes as hex.
+
+Both ends of a ZeroMQ stream may connect, and then nothing ever arrives and
+nothing fails: a publisher given ``tcp://127.0.0.1:5557`` connects (vLLM's
+rule), and so does this client. So it says where it connects or binds, and
+after ``first_timeout`` seconds without a first batch it gives up with a
+`TimeoutError` that says whether any publisher was met there and how to fix
+the endpoints (bind one side with ``tcp://*:PORT``).
 """
 
 from __future__ import annotations
@@ -11,19 +18,22 @@ from __future__ import annotations
 import json
 from typing import Any, TextIO
 
+import anyio
 import msgspec
 
+from tiering.events.config import tcp_address, wildcard_of
 from tiering.events.schema import (
     AllBlocksCleared,
     BlockHash,
     BlockStored,
+    EventItem,
     Gap,
     KVEvent,
     SequencedBatch,
 )
 from tiering.events.subscriber import ZmqSubscriber
 
-__all__ = ["format_event", "print_events"]
+__all__ = ["format_event", "print_events", "silence_message", "waiting_line"]
 
 
 async def print_events(
@@ -32,32 +42,110 @@ async def print_events(
     json_lines: bool,
     out: TextIO,
     limit: int | None = None,
+    *,
+    first_timeout: float | None = None,
+    status: TextIO | None = None,
 ) -> int:
     """Print events from ``endpoint`` to ``out`` until ``limit`` events; return how many.
 
     With ``replay_endpoint`` the history the publisher still buffers is
     printed first (from sequence 0; a range it no longer holds is one gap line).
-    Without ``limit`` it runs until cancelled.
+    Without ``limit`` it runs until cancelled. ``endpoint`` is connected to,
+    or bound when it has a ``*`` (see `ZmqSubscriber`); once it is, one line
+    on ``status`` says so and what it waits for. Without a first batch (or
+    gap) within ``first_timeout`` seconds (None: no limit) it raises
+    `TimeoutError`, whose one-line message says whether a publisher was met
+    and how to fix the endpoints.
     """
     printed = 0
     if limit is not None and limit <= 0:
         return printed
     start = 0 if replay_endpoint is not None else None
     async with ZmqSubscriber(endpoint, replay_endpoint, start_seq=start) as subscriber:
-        async for item in subscriber:
+        if status is not None:
+            status.write(waiting_line(subscriber, first_timeout) + "\n")
+            status.flush()
+        item = await _first(subscriber, first_timeout)
+        while item is not None:  # None: closed
             if isinstance(item, Gap):
                 out.write(_gap_json(item) if json_lines else _gap_text(item))
                 out.write("\n")
-                continue
-            for event in item.batch.events:
-                out.write(format_event(item, event, json_lines))
-                out.write("\n")
-                printed += 1
-                if printed == limit:
-                    out.flush()
-                    return printed
+            else:
+                for event in item.batch.events:
+                    out.write(format_event(item, event, json_lines))
+                    out.write("\n")
+                    printed += 1
+                    if printed == limit:
+                        out.flush()
+                        return printed
             out.flush()
+            item = await anext(subscriber, None)
     return printed
+
+
+async def _first(subscriber: ZmqSubscriber, timeout: float | None) -> EventItem | None:
+    """The first item, or `TimeoutError` explaining the silence after ``timeout`` seconds."""
+    if timeout is None:
+        return await anext(subscriber, None)
+    with anyio.move_on_after(timeout):
+        return await anext(subscriber, None)
+    raise TimeoutError(silence_message(subscriber, timeout))
+
+
+def waiting_line(subscriber: ZmqSubscriber, first_timeout: float | None) -> str:
+    """What `print_events` waits for at ``subscriber``'s endpoint, and for how long."""
+    endpoint = subscriber.endpoint
+    limit = "no time limit" if first_timeout is None else f"up to {first_timeout:g} s (--timeout)"
+    if subscriber.binds:
+        return (
+            f"tiering events: bound {endpoint}; waiting for a publisher that connects to it "
+            f"(e.g. --events-endpoint {_reachable(endpoint)}), {limit}"
+        )
+    wild = wildcard_of(endpoint)
+    example = f" (e.g. --events-endpoint {wild})" if wild is not None else ""
+    return (
+        f"tiering events: connecting to {endpoint}; waiting for a publisher that binds "
+        f"it{example}, {limit}"
+    )
+
+
+def silence_message(subscriber: ZmqSubscriber, seconds: float) -> str:
+    """Why nothing came from ``subscriber``'s endpoint in ``seconds``, and what to do (one line)."""
+    endpoint = subscriber.endpoint
+    after = f"no KV cache events at {endpoint} in {seconds:g} s"
+    forever = "--timeout 0 waits for ever"
+    if subscriber.has_publisher:
+        return (
+            f"{after}: a publisher is connected but sent nothing (an engine publishes only "
+            f"when its cache changes); {forever}"
+        )
+    if subscriber.binds:
+        return (
+            f"{after}: no publisher connected to it, so nothing publishes here; start one "
+            f"that connects here (e.g. --events-endpoint {_reachable(endpoint)}); {forever}"
+        )
+    wild = wildcard_of(endpoint)
+    if wild is None:
+        return (
+            f"{after}: no publisher is bound there, so nothing publishes there; start one with "
+            f"--events-endpoint {endpoint}; {forever}"
+        )
+    return (
+        f"{after}: no publisher accepted the connection, so nothing publishes there. A "
+        f"publisher binds only an endpoint with '*' (vLLM's rule) and connects to any other, "
+        f"as this command does: start it with --events-endpoint {wild}, or, for one that "
+        f"connects to {endpoint}, bind here instead: tiering events {wild}; {forever}"
+    )
+
+
+def _reachable(bound: str) -> str:
+    """A bound tcp address as a publisher would connect to it: a wildcard host as loopback."""
+    address = tcp_address(bound)
+    if address is None:
+        return bound
+    host, port = address
+    host = {"0.0.0.0": "127.0.0.1", "[::]": "[::1]", "*": "127.0.0.1"}.get(host, host)
+    return f"tcp://{host}:{port}"
 
 
 def format_event(item: SequencedBatch, event: KVEvent, json_lines: bool) -> str:
