@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import anyio
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -23,9 +24,10 @@ from tiering import (
     SpecError,
     make_offload_key,
 )
-from tiering.engine import PrefixLookup, TieringEngine
+from tiering.engine import PrefixLookup, TieringEngine, kv_cache_tensors
 from tiering.scheduler import LATENCY_BUCKETS, JobOutcome, SchedulerLimits
 from tiering.specs import GPULoadStoreSpec
+from tiering.transfer import KVCacheTensor
 from tiering.transfer.mock import MockBackend
 
 pytestmark = pytest.mark.anyio
@@ -425,3 +427,69 @@ async def test_with_default_limits_a_small_load_overtakes_a_large_one(anyio_back
         # slices of the large one, not after all four.
         sizes = [len(j.src) for j in mock(engine).submitted[seen:]]  # type: ignore[arg-type]
         assert sizes == [16, 16, 16, 1, 16]
+
+
+# --- what kv_caches may be ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("given", "described"),
+    [
+        (lambda kv: list(kv.values()), r"a list of 2 items \(torch\.Tensor\)"),
+        (lambda kv: tuple(kv.values()), r"a tuple of 2 items \(torch\.Tensor\)"),
+        (lambda kv: np.stack([t.numpy() for t in kv.values()]), r"a numpy\.ndarray"),
+        (lambda kv: kv["k"], r"a torch\.Tensor"),
+    ],
+)
+def test_kv_caches_that_map_no_layer_are_refused(given: Any, described: str) -> None:
+    expected = (
+        r"kv_caches must map each layer name to its KV cache tensor \(\{layer name: "
+        rf"torch\.Tensor\}} for the layers \['k', 'v'\]\), or be a list of KVCacheTensor; "
+        rf"got {described}$"
+    )
+    with pytest.raises(ConfigError, match=expected):
+        TieringEngine(config(), given(kv_caches()), cpu_bytes=1 << 20)
+
+
+def test_a_list_of_kv_cache_tensors_is_taken_as_it_is() -> None:
+    registered = kv_cache_tensors(config(), kv_caches())
+    engine = TieringEngine(config(), registered, cpu_bytes=1 << 20)
+    mapped = TieringEngine(config(), kv_caches(), cpu_bytes=1 << 20)
+    assert engine.layout.row_bytes == mapped.layout.row_bytes == CHUNK_BYTES
+    assert [t.tensor for t in engine.layout.tensors] == [t.tensor for t in registered]
+
+
+def test_a_layer_that_is_no_tensor_is_refused() -> None:
+    kv: dict[str, Any] = {**kv_caches(), "v": np.zeros((NUM_BLOCKS, PAGE_WORDS), dtype=np.int64)}
+    with pytest.raises(ConfigError, match=r"tensor 'v' is a numpy\.ndarray; give a torch\.Tensor"):
+        TieringEngine(config(), kv, cpu_bytes=1 << 20)
+
+
+def test_a_transposed_tensor_is_refused_as_not_contiguous() -> None:
+    kv = {**kv_caches(), "k": torch.zeros((PAGE_WORDS, NUM_BLOCKS), dtype=torch.int64).t()}
+    with pytest.raises(
+        ConfigError,
+        match=rf"tensor 'k' is not contiguous \(shape \({NUM_BLOCKS}, {PAGE_WORDS}\), "
+        rf"strides \(1, {NUM_BLOCKS}\)\): a transposed or strided view",
+    ):
+        TieringEngine(config(), kv, cpu_bytes=1 << 20)
+
+
+def test_a_tensor_of_another_dtype_than_the_configs_is_refused() -> None:
+    kv = {**kv_caches(), "v": torch.zeros((NUM_BLOCKS, PAGE_WORDS), dtype=torch.float64)}
+    pattern = r"'v' has dtype float64 but the config's model\.dtype is 'int64'; give KV tensors"
+    with pytest.raises(ConfigError, match=pattern):
+        TieringEngine(config(), kv, cpu_bytes=1 << 20)
+    listed = [KVCacheTensor(t, NUM_BLOCKS, PAGE_WORDS * 8) for t in kv.values()]
+    with pytest.raises(ConfigError, match=r"kv_caches\[1\]\.tensor has dtype float64"):
+        TieringEngine(config(), listed, cpu_bytes=1 << 20)
+
+
+def test_a_vllm_quantized_cache_takes_tensors_of_its_size() -> None:
+    fp8 = msgspec.structs.replace(config(), model=OffloadingModelConfig(name="m", dtype="fp8_e4m3"))
+    for dtype in (torch.uint8, torch.float8_e4m3fn, torch.int8):  # bytes, as backends view them
+        kv = {n: torch.zeros((NUM_BLOCKS, 64), dtype=dtype) for n in ("k", "v")}
+        assert TieringEngine(fp8, kv, cpu_bytes=1 << 20).layout.tensors[1].tensor is kv["v"]
+    kv = {n: torch.zeros((NUM_BLOCKS, 64), dtype=torch.float16) for n in ("k", "v")}
+    with pytest.raises(ConfigError, match=r"model\.dtype is 'fp8_e4m3' \(stored as uint8\)"):
+        TieringEngine(fp8, kv, cpu_bytes=1 << 20)

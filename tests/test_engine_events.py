@@ -261,3 +261,22 @@ def test_importing_the_engine_does_not_import_pyzmq() -> None:
     code = "import tiering.engine, sys; print('zmq' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+async def test_restoring_present_keys_leaves_no_job_behind(anyio_backend: str) -> None:
+    """A store whose keys are all present holds nothing: no job in the manager, no
+    description in the event emitter (a leak of one entry per such store, once)."""
+    engine = TieringEngine(events_config(), kv_caches(), cpu_bytes=4 * CHUNK_BYTES, backend="mock")
+    async with engine:
+        assert await store(engine, [1, 2], [0, 1]) is JobOutcome.SUCCEEDED
+        blocks = [ChunkBlocks(block_hashes=[i], block_size=16) for i in (1, 2)]
+        for _ in range(200):
+            handle = await engine.submit_store(
+                [key(1), key(2)], GPULoadStoreSpec([0, 1]), blocks=blocks
+            )
+            assert (await handle).outcome is JobOutcome.SUCCEEDED
+        assert engine._events is not None
+        assert engine._events.described == {}
+        assert engine.manager._store_jobs == {}
+        stats = engine.statistics().manager
+        assert (stats.open_store_jobs, stats.open_load_jobs, stats.writing) == (0, 0, 0)

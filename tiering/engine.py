@@ -114,15 +114,21 @@ class _State(enum.Enum):
 
 
 def kv_cache_tensors(
-    config: OffloadingConfig, kv_caches: Mapping[str, torch.Tensor]
+    config: OffloadingConfig, kv_caches: Mapping[str, torch.Tensor] | Sequence[KVCacheTensor]
 ) -> list[KVCacheTensor]:
     """Register the per-layer tensors named by the config's groups, block-major.
 
-    Each tensor's first dimension is its number of blocks and one block's
-    elements are contiguous (a ``(num_blocks, ...)`` layout; a
-    ``(2, num_blocks, ...)`` K/V layout is registered as two `KVCacheTensor`
-    by the caller instead).
+    ``kv_caches`` maps each layer name of the groups to its tensor: the first
+    dimension is its number of blocks and one block's elements are contiguous
+    (a ``(num_blocks, ...)`` layout; a ``(2, num_blocks, ...)`` K/V layout is
+    registered as two `KVCacheTensor` by the caller instead, and a sequence of
+    `KVCacheTensor` is taken as it is). Every tensor has the config's dtype
+    (``model.dtype``; for a vLLM quantized cache dtype such as ``fp8``, any
+    dtype of the size vLLM stores it in, as attention backends view those
+    bytes as they need). Anything else is a `ConfigError`.
     """
+    if not isinstance(kv_caches, Mapping):
+        return _given_tensors(config, kv_caches)
     named = {name for group in config.groups for name in group.layer_names}
     extra = sorted(set(kv_caches) - named)
     if extra:
@@ -136,14 +142,79 @@ def kv_cache_tensors(
             tensor = kv_caches.get(name)
             if tensor is None:
                 raise ConfigError(f"no KV cache tensor for layer {name!r} of group {g}")
-            if tensor.dim() < 1 or tensor.shape[0] < 1 or not tensor.is_contiguous():
+            where = f"KV cache tensor {name!r}"
+            if not isinstance(tensor, torch.Tensor):
                 raise ConfigError(
-                    f"KV cache tensor {name!r} must be contiguous and block-major "
-                    f"(num_blocks, ...), got shape {tuple(tensor.shape)}"
+                    f"{where} is a {_type_name(tensor)}; give a torch.Tensor, block-major "
+                    "(num_blocks, ...)"
                 )
+            if tensor.dim() < 1 or tensor.shape[0] < 1:
+                raise ConfigError(
+                    f"{where} must be block-major (num_blocks, ...) with at least one block, "
+                    f"got shape {tuple(tensor.shape)}"
+                )
+            if not tensor.is_contiguous():
+                raise ConfigError(
+                    f"{where} is not contiguous (shape {tuple(tensor.shape)}, strides "
+                    f"{tuple(tensor.stride())}): a transposed or strided view; give the "
+                    "tensor the cache is stored in, block-major (num_blocks, ...) with each "
+                    "block's elements contiguous"
+                )
+            _check_dtype(config, where, tensor)
             page_bytes = tensor[0].numel() * tensor.element_size()
             tensors.append(KVCacheTensor(tensor, int(tensor.shape[0]), page_bytes, group=g))
     return tensors
+
+
+def _given_tensors(config: OffloadingConfig, kv_caches: object) -> list[KVCacheTensor]:
+    """A sequence of `KVCacheTensor`, checked; anything else is refused, naming the mapping."""
+    items: list[object] | None = None
+    if isinstance(kv_caches, Sequence) and not isinstance(kv_caches, (str, bytes)):
+        items = list(kv_caches)
+    tensors = [item for item in items or () if isinstance(item, KVCacheTensor)]
+    if items is None or len(tensors) != len(items):
+        given = f"a {_type_name(kv_caches)}"
+        if items is not None:
+            given += f" of {_type_names(items)}"
+        layers = [name for group in config.groups for name in group.layer_names]
+        raise ConfigError(
+            f"kv_caches must map each layer name to its KV cache tensor "
+            f"({{layer name: torch.Tensor}} for the layers {layers}), or be a list of "
+            f"KVCacheTensor; got {given}"
+        )
+    for index, kv in enumerate(tensors):
+        _check_dtype(config, f"kv_caches[{index}].tensor", kv.tensor)
+    return tensors
+
+
+def _type_name(value: object) -> str:
+    kind = type(value)
+    return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__name__}"
+
+
+def _type_names(values: Sequence[object]) -> str:
+    kinds = sorted({_type_name(value) for value in values})
+    return f"{len(values)} items ({', '.join(kinds)})" if kinds else "no items"
+
+
+def _check_dtype(config: OffloadingConfig, where: str, tensor: torch.Tensor) -> None:
+    """Refuse a KV tensor whose dtype is not the config's (see `kv_cache_tensors`)."""
+    dtype, storage = config.model.dtype, config.model.storage_dtype
+    expected = getattr(torch, storage, None)
+    if not isinstance(expected, torch.dtype):
+        raise ConfigError(
+            f"the config's model.dtype={dtype!r} is not a dtype of torch {torch.__version__}"
+        )
+    if tensor.dtype == expected:
+        return
+    if dtype != storage and tensor.element_size() == expected.itemsize:
+        return  # a vLLM quantized cache: its bytes, viewed as a backend needs
+    stored = f" (stored as {storage})" if dtype != storage else ""
+    raise ConfigError(
+        f"{where} has dtype {str(tensor.dtype).removeprefix('torch.')} but the config's "
+        f"model.dtype is {dtype!r}{stored}; give KV tensors of that dtype, or set model.dtype "
+        "to theirs"
+    )
 
 
 def _limits(config: OffloadingConfig, limits: SchedulerLimits | None) -> SchedulerLimits:
@@ -180,6 +251,7 @@ class _Events:
         self.described: dict[Hashable, dict[OffloadKey, ChunkBlocks]] = {}
         self.scheduled = False
         self.endpoints: tuple[str, str | None] | None = None  # the publisher's, once bound
+        self.binds: bool | None = None  # whether the publisher binds its endpoint, once open
         self.lost = 0  # events that could not be translated (a bug): logged and counted
         self._remote_translator: EventTranslator | None = None
         # Descriptions of landed chunks, until their write-through is announced
@@ -201,6 +273,7 @@ class _Events:
 
             publisher = ZmqEventPublisher(self.settings)
             self.endpoints = (publisher.endpoint, publisher.replay_endpoint)
+            self.binds = publisher.binds
             sinks.append(publisher)
         self._bus = EventBus(sinks)
 
@@ -452,6 +525,8 @@ class _Remote:
             present = await self.tier.contains(candidates)
             while run < len(present) and present[run]:
                 run += 1
+        else:
+            await anyio.lowlevel.checkpoint()  # every promotion yields, even with nothing to ask
         read = 0
         if run:
             read = await self._read(keys[:start], candidates[:run])
@@ -576,11 +651,7 @@ class TieringEngine:
         self.engine_id = str(next(_ENGINE_IDS)) if engine_id is None else engine_id
         if not self.engine_id:
             raise ConfigError("engine_id must be a non-empty string, got ''")
-        tensors = (
-            kv_cache_tensors(config, kv_caches)
-            if isinstance(kv_caches, Mapping)
-            else list(kv_caches)
-        )
+        tensors = kv_cache_tensors(config, kv_caches)
         self.layout = KVLayout(tensors, config.cache.blocks_per_chunk)
         num_chunks = self.layout.num_chunks(cpu_bytes)
         if num_chunks < 1:
@@ -691,6 +762,7 @@ class TieringEngine:
                 await self._events.aclose()
             raise
         self._state = _State.OPEN
+        await anyio.lowlevel.checkpoint()
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -706,11 +778,14 @@ class TieringEngine:
         if self._state in (_State.CLOSING, _State.CLOSED):
             if self._closed is not None:
                 await self._closed.wait()  # a close in progress: wait until it is whole
+            else:
+                await anyio.lowlevel.checkpoint()
             return
         if self._state is _State.NEW:
             self._state = _State.CLOSED
             if self._remote is not None:  # built by the engine's factory: the engine's to close
                 await self._remote.aclose()
+            await anyio.lowlevel.checkpoint()
             return
         self._state = _State.CLOSING
         try:
@@ -799,19 +874,20 @@ class TieringEngine:
         *,
         blocks: Sequence[ChunkBlocks | None] | None = None,
     ) -> JobHandle:
-        """Queue a store, waiting for room in the queue; returns its handle at once after."""
-        self._check_open()
-        if blocks is not None and self._events is not None:
-            self._events.check(keys, blocks)
-        handle = await self.scheduler.submit(JobKind.STORE, keys, gpu)
-        if blocks is not None and self._events is not None:
-            self._events.describe(manager_job(handle.job_id), keys, blocks, self.manager)
-        return handle
+        """Queue a store, waiting for room in the queue; returns its handle at once after.
+
+        Always a checkpoint (also for a store that ends at submission: keys
+        all present, or no room), so a loop of them lets the loop run.
+        """
+        return await self.scheduler.submit_waiting(
+            JobKind.STORE, lambda: self.submit_store_nowait(keys, gpu, blocks=blocks)
+        )
 
     async def submit_load(self, keys: Sequence[OffloadKey], gpu: GPULoadStoreSpec) -> JobHandle:
         """Queue a load, waiting for room in the queue; returns its handle at once after."""
-        self._check_open()
-        return await self.scheduler.submit(JobKind.LOAD, keys, gpu)
+        return await self.scheduler.submit_waiting(
+            JobKind.LOAD, lambda: self.submit_load_nowait(keys, gpu)
+        )
 
     async def flush(self, gpu_block_ids: Sequence[int] | IntArray) -> None:
         """Return once no store submitted before still reads ``gpu_block_ids``."""
@@ -855,6 +931,7 @@ class TieringEngine:
         if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= len(keys):
             raise SpecError(f"start must be an integer in [0, {len(keys)}], got {start!r}")
         if self._remote is None:
+            await anyio.lowlevel.checkpoint()
             return Promotion(ready=0, promoted=0)
         return await self._remote.promote(keys, start)
 
@@ -887,6 +964,12 @@ class TieringEngine:
     def event_endpoints(self) -> tuple[str, str | None] | None:
         """The ZMQ publisher's bound ``(endpoint, replay_endpoint)``, once open; else None."""
         return self._events.endpoints if self._events is not None else None
+
+    @property
+    def event_publisher_binds(self) -> bool | None:
+        """Whether the ZMQ publisher binds its endpoint (True: subscribers connect to it) or
+        connects to it (False: a subscriber must bind there), once open; else None."""
+        return self._events.binds if self._events is not None else None
 
     def reset(self, *, force: bool = False) -> None:
         """Drop every chunk of the tier (publishing `AllBlocksCleared` with events).

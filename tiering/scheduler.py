@@ -197,6 +197,11 @@ class _Job:
             if self.done is None:
                 self.done = anyio.Event()
             await self.done.wait()
+        else:
+            # A checkpoint even when finished (trio's rule): a task awaiting a
+            # stream of jobs that end at submission must let the loop run the
+            # completions (and every other task).
+            await anyio.lowlevel.checkpoint()
         assert self.result is not None  # set before done is
         return self.result
 
@@ -417,6 +422,8 @@ class Scheduler:
         if self._state is not _State.OPEN:
             if self._state is _State.CLOSING:
                 await self._closed.wait()
+            else:
+                await anyio.lowlevel.checkpoint()
             return
         self._state = _State.CLOSING
         try:
@@ -575,19 +582,43 @@ class Scheduler:
     async def submit(
         self, kind: JobKind, keys: Sequence[OffloadKey], gpu: GPULoadStoreSpec
     ) -> JobHandle:
-        """As `submit_nowait`, but waits for room in the queue instead of raising."""
+        """As `submit_nowait`, but waits for room in the queue instead of raising.
+
+        Always a checkpoint: a cancellation before the job is queued raises
+        (and queues nothing); once queued, the handle is returned after
+        letting the loop run, whatever the cancellation.
+        """
+        return await self.submit_waiting(kind, lambda: self.submit_nowait(kind, keys, gpu))
+
+    async def submit_waiting(self, kind: JobKind, submit: Callable[[], JobHandle]) -> JobHandle:
+        """Call ``submit`` (a `submit_nowait` of direction ``kind``) until it finds room.
+
+        For owners that do more than `submit_nowait` at submission (the engine
+        describes a store's blocks before anything can complete it).
+        """
+        await anyio.lowlevel.checkpoint_if_cancelled()
         direction = self._dirs[kind]
+        waited = False
         while True:
             try:
-                return self.submit_nowait(kind, keys, gpu)
+                handle = submit()
             except anyio.WouldBlock:
                 if direction.room.is_set():
                     direction.room = anyio.Event()
                 await direction.room.wait()
+                waited = True
+                continue
+            if not waited:  # a job that ends at submission must still yield
+                await anyio.lowlevel.cancel_shielded_checkpoint()
+            return handle
 
     async def flush(self, block_ids: Sequence[int] | IntArray) -> None:
-        """Return once no store submitted before this call still reads ``block_ids``."""
+        """Return once no store submitted before this call still reads ``block_ids``.
+
+        Always a checkpoint, even when no store reads them.
+        """
         if not self._stores:
+            await anyio.lowlevel.checkpoint()
             return
         # A set, and each store's blocks as a list: numpy's isin costs tens of
         # microseconds per call whatever the size, and a flush follows every request.
@@ -597,6 +628,8 @@ class Scheduler:
             for job in self._stores.values()
             if job.blocks is not None and not wanted.isdisjoint(job.blocks.tolist())
         ]
+        if not waiting:
+            await anyio.lowlevel.checkpoint()
         for job in waiting:
             await job.wait()
 

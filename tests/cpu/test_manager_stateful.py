@@ -61,7 +61,7 @@ class ManagerMachine(RuleBasedStateMachine):
         allowed = self.evictable() - set(keys)
         job = next(self.job_ids) if with_job else None
         out = self.manager.prepare_store(keys, job=job)
-        if out is not None and job is not None:
+        if out is not None and job is not None and new:  # nothing to store: no job held
             self.store_jobs[job] = new
         if need > len(allowed):
             assert out is None
@@ -167,6 +167,24 @@ class ManagerMachine(RuleBasedStateMachine):
             expected += 1
         assert self.manager.lookup_prefix(keys) == expected
 
+    @rule(success=st.booleans())
+    def finish_every_job(self, success: bool) -> None:
+        """Completing every job leaves no job open in the manager."""
+        for job in list(self.store_jobs):
+            self.manager.complete_store(job=job, success=success)
+            for k in self.store_jobs.pop(job):
+                if self.state.get(k) == WRITING:
+                    if success:
+                        self.state[k] = READY
+                    else:
+                        del self.state[k]
+        for job in list(self.jobs):
+            self.manager.complete_load(job=job)
+            for k in self.jobs.pop(job):
+                self.pins[k] -= 1
+        s = self.manager.statistics()
+        assert (s.open_store_jobs, s.open_load_jobs) == (0, 0)
+
     @rule()
     def force_reset(self) -> None:
         self.manager.reset(force=True)
@@ -233,6 +251,8 @@ class ManagerMachine(RuleBasedStateMachine):
         assert s.ready == s.used - s.writing
         assert s.used == len(m.policy)
         assert s.evictions_total == self.evictions
+        # Every job that holds state is one the model still has to complete.
+        assert (s.open_store_jobs, s.open_load_jobs) == (len(self.store_jobs), len(self.jobs))
         for k, c in m._chunks.items():
             expected = -1 if self.state[k] == WRITING else self.pins.get(k, 0)
             assert c.pins == expected

@@ -30,7 +30,7 @@ import msgspec
 from tiering._types import Medium, OffloadKey
 from tiering.config import DEFAULT_POLICY
 from tiering.cpu.common import CPULoadStoreSpec
-from tiering.errors import ChunkStateError, ConfigError, UnknownKeyError
+from tiering.errors import ChunkStateError, ConfigError, SpecError, UnknownKeyError
 from tiering.policies import CachePolicy, create_policy
 
 __all__ = [
@@ -109,6 +109,10 @@ class ManagerStatistics(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     allocation_failures_total: int
     events_pending: int
     events_dropped_total: int
+    #: Jobs holding manager state now: stores prepared and not completed, loads
+    #: pinned and not completed (those prepared with a job id). Back to 0 when idle.
+    open_store_jobs: int = 0
+    open_load_jobs: int = 0
 
     @property
     def used_ratio(self) -> float:
@@ -126,6 +130,15 @@ class _Chunk(msgspec.Struct, gc=False):
 
     slot: int
     pins: int = _WRITING
+
+
+def _check_key(key: object) -> None:
+    """Refuse a key that is not `bytes` (an `OffloadKey`), before anything changes."""
+    if not isinstance(key, bytes):
+        raise SpecError(
+            f"offload keys must be bytes, as make_offload_key(block_hash, group) gives; "
+            f"got {key!r} ({type(key).__name__})"
+        )
 
 
 class CPUOffloadingManager:
@@ -348,13 +361,22 @@ class CPUOffloadingManager:
         cannot be made. The new keys join the policy now, in request order and
         protected while they are written, so a request's recency is right
         whenever its store lands. With a ``job`` id, ``complete_store(job=...)``
-        completes exactly this call's keys, once. ``count=False`` leaves a
+        completes exactly this call's keys, once; a call with no new key
+        records no job (there is nothing to complete). ``count=False`` leaves a
         refusal out of ``allocation_failures_total`` (a caller trying smaller
         sets counts its own final refusal with `count_allocation_failure`).
         """
         chunks = self._chunks
-        offered = dict.fromkeys(keys)
+        try:
+            offered = dict.fromkeys(keys)
+        except TypeError:  # an unhashable key
+            offered = {}
+            for key in keys:
+                _check_key(key)
         new_keys = [key for key in offered if key not in chunks]
+        for key in new_keys:  # keys already held were checked when they came in
+            if type(key) is not bytes:
+                _check_key(key)
         # Evictable chunks this call offers again must not be evicted by it.
         offered_ready = (
             [key for key in offered if key in chunks and chunks[key].pins == 0]
@@ -399,7 +421,7 @@ class CPUOffloadingManager:
             del free[-reuse:]
         chunks.update(zip(new_keys, map(_Chunk, slots), strict=True))
         stored = tuple(new_keys)
-        if job is not None:
+        if job is not None and stored:  # nothing to store: nothing to complete, no record
             self._store_jobs[job] = stored
         return PrepareStoreOutput(
             keys_to_store=stored,
@@ -515,6 +537,8 @@ class CPUOffloadingManager:
             allocation_failures_total=self._alloc_failures,
             events_pending=len(self._events),
             events_dropped_total=self._events_dropped,
+            open_store_jobs=len(self._store_jobs),
+            open_load_jobs=len(self._loads),
         )
 
     def __repr__(self) -> str:

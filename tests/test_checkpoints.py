@@ -1,0 +1,240 @@
+"""Every awaitable of the engine, the scheduler and the secondary tiers is a checkpoint.
+
+Trio's rule, which anyio follows: an ``async`` function of a library always
+yields to the event loop (and is a cancellation point), even on a fast path
+that has nothing to wait for. Otherwise a caller's loop of awaits that each
+end at once never lets another task run, nor the loop's own callbacks (the
+backend's completions among them).
+
+Each test runs a second task that counts its turns (a ``sleep(0)`` loop) while
+the awaitable under test is awaited `CALLS` times on its fast path; without a
+checkpoint the counter task gets no turn at all.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+import torch
+
+from tiering import (
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    make_offload_key,
+)
+from tiering.engine import TieringEngine
+from tiering.scheduler import JobOutcome
+from tiering.secondary import MemoryTier, RemoteNamespace, SecondaryTier
+from tiering.specs import GPULoadStoreSpec
+
+pytestmark = pytest.mark.anyio
+
+CALLS = 40
+PAGE_WORDS = 256  # two 2 KiB pages: a 4 KiB row
+NUM_BLOCKS = 32
+ROW_BYTES = 2 * PAGE_WORDS * 8
+
+
+def _config() -> OffloadingConfig:
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("k", "v")),),
+        worker_kv_bytes_per_block=ROW_BYTES,
+        engine_id="test",
+        model=OffloadingModelConfig(name="m", dtype="int64"),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+    )
+
+
+def _kv() -> dict[str, torch.Tensor]:
+    return {name: torch.zeros(NUM_BLOCKS, PAGE_WORDS, dtype=torch.int64) for name in ("k", "v")}
+
+
+def _keys(*ids: int) -> list[bytes]:
+    return [make_offload_key(i.to_bytes(8, "big")) for i in ids]
+
+
+def _namespace() -> RemoteNamespace:
+    return RemoteNamespace(model="m", dtype="int64", row_bytes=ROW_BYTES, blocks_per_chunk=1)
+
+
+async def _turns_during(step: Callable[[], Awaitable[Any]], calls: int = CALLS) -> int:
+    """How many turns a counting task got while ``step()`` was awaited ``calls`` times."""
+    turns = 0
+    done = False
+
+    async def count() -> None:
+        nonlocal turns
+        while not done:
+            turns += 1
+            await anyio.sleep(0)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(count)
+        await anyio.sleep(0)  # let the counter start
+        start = turns
+        for _ in range(calls):
+            await step()
+        counted = turns - start
+        done = True
+    return counted
+
+
+def _assert_yields(counted: int, calls: int = CALLS) -> None:
+    # One turn per call on asyncio; on trio at least one per two calls (a
+    # batch of runnable tasks runs in random order). Without a checkpoint: 0.
+    assert counted >= calls // 2, f"the counting task got {counted} turns in {calls} awaits"
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[TieringEngine]:
+    async with TieringEngine(
+        _config(), _kv(), cpu_bytes=4 * ROW_BYTES, backend="mock", prefault=False
+    ) as engine:
+        yield engine
+
+
+async def test_a_store_of_keys_already_present_yields(engine: TieringEngine) -> None:
+    first = await engine.submit_store(_keys(1), GPULoadStoreSpec([0]))
+    assert (await first).success
+
+    async def again() -> None:
+        handle = await engine.submit_store(_keys(1), GPULoadStoreSpec([0]))
+        assert handle.done()
+        assert (await handle).outcome is JobOutcome.SUCCEEDED
+        await engine.flush([0])
+
+    _assert_yields(await _turns_during(again), 3 * CALLS)
+
+
+async def test_a_store_that_finds_no_room_yields(engine: TieringEngine) -> None:
+    # Fill the tier with chunks that stay pinned by a gated load: no room after.
+    filled = await engine.submit_store(_keys(1, 2, 3, 4), GPULoadStoreSpec([0, 1, 2, 3]))
+    assert (await filled).success
+    cpu = engine.manager.prepare_load(_keys(1, 2, 3, 4))  # pinned: nothing evictable
+
+    async def no_room() -> None:
+        handle = await engine.submit_store(_keys(9), GPULoadStoreSpec([9]))
+        assert (await handle.wait()).outcome is JobOutcome.NO_ROOM
+
+    _assert_yields(await _turns_during(no_room))
+    assert len(cpu.chunk_ids) == 4
+    engine.manager.complete_load(_keys(1, 2, 3, 4))
+
+
+async def test_the_scheduler_awaitables_yield(engine: TieringEngine) -> None:
+    scheduler = engine.scheduler
+    assert (await (await engine.submit_store(_keys(5), GPULoadStoreSpec([5])))).success
+
+    async def calls() -> None:
+        await scheduler.flush([1, 2, 3])  # no store reads them
+        handle = await engine.submit_load(_keys(5), GPULoadStoreSpec([6]))
+        await handle
+
+    _assert_yields(await _turns_during(calls))
+
+
+async def test_flush_with_no_store_in_flight_yields(engine: TieringEngine) -> None:
+    _assert_yields(await _turns_during(lambda: engine.flush([0, 1])))
+
+
+async def test_promote_without_a_secondary_tier_yields(engine: TieringEngine) -> None:
+    _assert_yields(await _turns_during(lambda: engine.promote(_keys(1, 2))))
+
+
+async def test_closing_again_yields() -> None:
+    engine = TieringEngine(_config(), _kv(), cpu_bytes=4 * ROW_BYTES, backend="mock")
+    await engine.aclose()  # never opened
+    _assert_yields(await _turns_during(engine.aclose))
+    async with TieringEngine(
+        _config(), _kv(), cpu_bytes=4 * ROW_BYTES, backend="mock", prefault=False
+    ) as opened:
+        pass
+    _assert_yields(await _turns_during(opened.aclose))
+    _assert_yields(await _turns_during(opened.scheduler.aclose))
+
+
+async def test_a_loop_of_stores_that_end_at_submission_lets_a_deadline_fire(
+    engine: TieringEngine,
+) -> None:
+    """The issue's symptom: a ``fail_after`` around such a loop never fired."""
+    assert (await (await engine.submit_store(_keys(1), GPULoadStoreSpec([0])))).success
+    with anyio.move_on_after(0.05) as scope:
+        while True:
+            await (await engine.submit_store(_keys(1), GPULoadStoreSpec([0])))
+            await engine.flush([0])
+    assert scope.cancelled_caught
+
+
+async def test_promote_of_chunks_held_by_the_cpu_tier_yields() -> None:
+    async with TieringEngine(
+        _config(),
+        _kv(),
+        cpu_bytes=4 * ROW_BYTES,
+        backend="mock",
+        prefault=False,
+        secondary=MemoryTier,
+    ) as engine:
+        assert (await (await engine.submit_store(_keys(1), GPULoadStoreSpec([0])))).success
+        # Key 1 is in the CPU tier: nothing to ask the secondary tier.
+        _assert_yields(await _turns_during(lambda: engine.promote(_keys(1), 0)))
+
+
+def _memory_tier(available: bool) -> SecondaryTier:
+    tier = MemoryTier(_namespace())
+    tier.set_available(available)
+    return tier
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])  # closed again: nothing listens there
+
+
+def _redis_tier() -> SecondaryTier:
+    pytest.importorskip("redis")
+    from tiering.secondary.redis import RedisTier
+
+    # Nothing listens on the port: the first call takes the tier down, and
+    # later calls are answered at once, without I/O, until the retry time.
+    return RedisTier(
+        f"redis://127.0.0.1:{_closed_port()}/0",
+        _namespace(),
+        timeout_s=0.5,
+        backoff_s=(60.0, 60.0),
+    )
+
+
+@pytest.mark.parametrize(
+    "make_tier",
+    [
+        pytest.param(lambda: _memory_tier(True), id="memory"),
+        pytest.param(lambda: _memory_tier(False), id="memory-down"),
+        pytest.param(_redis_tier, id="redis-down"),
+    ],
+)
+async def test_every_secondary_tier_call_yields(make_tier: Callable[[], SecondaryTier]) -> None:
+    tier = make_tier()
+    row = np.zeros(ROW_BYTES, dtype=np.uint8)
+    keys = _keys(1, 2)
+    try:
+        await tier.contains(keys)  # a Redis tier goes down here
+        for step in (
+            lambda: tier.contains([]),
+            lambda: tier.write([]),
+            lambda: tier.read([]),
+            lambda: tier.contains(keys),
+            lambda: tier.write([(keys[0], memoryview(row))]),
+            lambda: tier.read([(keys[0], memoryview(row))]),
+        ):
+            _assert_yields(await _turns_during(step))
+    finally:
+        await tier.aclose()
+    _assert_yields(await _turns_during(tier.aclose))
