@@ -320,14 +320,26 @@ def build_parser() -> argparse.ArgumentParser:
         "events",
         help="print the KV cache events an engine publishes",
         description="Subscribe to an engine's KV cache events and print them, one line "
-        "each (a gap in the sequence is filled from the replay endpoint, or reported).",
+        "each (a gap in the sequence is filled from the replay endpoint, or reported). "
+        "One end must bind: a publisher binds an endpoint with '*' (tcp://*:5557) and "
+        "connects to any other, as does this command. Without a first event in --timeout "
+        "seconds it says why and exits with status 2.",
     )
-    ev.add_argument("endpoint", help="the publisher's ZMQ endpoint, e.g. tcp://127.0.0.1:5557")
+    ev.add_argument(
+        "endpoint",
+        help="the publisher's ZMQ endpoint, e.g. tcp://127.0.0.1:5557 (connects); "
+        "tcp://*:5557 binds, for a publisher that connects",
+    )
     ev.add_argument(
         "--replay-endpoint", metavar="E",
         help="its replay endpoint: fills gaps, and first prints the history it still holds",
     )  # fmt: skip
     ev.add_argument("--limit", type=_positive_int, metavar="N", help="stop after N events")
+    ev.add_argument(
+        "--timeout", type=_seconds, metavar="S",
+        help="give up (exit status 2) when no event came in the first S seconds; 0: wait for "
+        f"ever (default {_EVENTS_WAIT_TTY:g} on a terminal, else {_EVENTS_WAIT_PIPED:g})",
+    )  # fmt: skip
     ev.add_argument("--json", action="store_true", help="JSON lines (hashes as hex)")
     ev.set_defaults(run=_run_events)
     return parser
@@ -445,9 +457,7 @@ def _run_replay(args: argparse.Namespace) -> None:
         ("job latency", f"p50 {r.job_latency_p50_ms:.2f} ms, p99 {r.job_latency_p99_ms:.2f} ms"),
         ("failed jobs", f"{r.failed_jobs:,} (and {r.no_room_stores:,} stores found no room)"),
         ("corrupt chunks", f"{r.corrupt_chunks:,}" if args.verify else "not checked (--verify)"),
-        ("remote tier", f"{r.remote_hit_blocks:,} hit blocks, {r.remote_read_bytes / 1e9:.2f} GB "
-                        f"read, {r.remote_write_bytes / 1e9:.2f} GB written, {r.remote_errors:,} "
-                        "errors" if args.remote else "none (--remote)"),
+        ("remote tier", _remote_summary(r) if args.remote else "none (--remote)"),
         ("events", f"{r.events_published:,} published, {r.events_dropped:,} dropped"
                    if args.events_endpoint else "off (--events-endpoint)"),
         ("seconds", f"{r.seconds:.2f}"),
@@ -497,22 +507,59 @@ def _services(
                 )
                 print(f"tiering: serving metrics at {server.url}", file=sys.stderr, flush=True)
             if engine.event_endpoints is not None:
+                from tiering.events.config import wildcard_of
+
                 endpoint, replay = engine.event_endpoints
                 where = endpoint + (f", replay at {replay}" if replay else "")
+                # Say which side binds: two sides that both connect never meet.
+                how = "bound: subscribers connect to it"
+                if not engine.event_publisher_binds:
+                    wild = wildcard_of(endpoint)
+                    how = "it connects: a subscriber must bind it" + (
+                        f", e.g. tiering events {wild}" if wild else ""
+                    )
                 print(
-                    f"tiering: publishing KV cache events at {where}", file=sys.stderr, flush=True
+                    f"tiering: publishing KV cache events at {where} ({how})",
+                    file=sys.stderr,
+                    flush=True,
                 )
             yield
 
     return services
 
 
+#: `tiering events`: seconds to wait for a first event by default, with a person watching
+#: (stdout or stderr a terminal) and without (a script: time for a server to start, never
+#: for ever; --timeout 0 listens for ever).
+_EVENTS_WAIT_TTY = 5.0
+_EVENTS_WAIT_PIPED = 60.0
+
+
 def _run_events(args: argparse.Namespace) -> None:
+    import functools
+
     import anyio
 
     from tiering.events.tool import print_events  # pyzmq: only when used
 
-    anyio.run(print_events, args.endpoint, args.replay_endpoint, args.json, sys.stdout, args.limit)
+    timeout = args.timeout
+    if timeout is None:
+        watched = sys.stdout.isatty() or sys.stderr.isatty()
+        timeout = _EVENTS_WAIT_TTY if watched else _EVENTS_WAIT_PIPED
+    run = functools.partial(
+        print_events,
+        args.endpoint,
+        args.replay_endpoint,
+        args.json,
+        sys.stdout,
+        args.limit,
+        first_timeout=timeout or None,
+        status=sys.stderr,
+    )
+    try:
+        anyio.run(run)
+    except TimeoutError as exc:  # nothing came: the message says why and what to change
+        _fail(str(exc))
 
 
 def _simulation_table(
@@ -551,6 +598,28 @@ def _simulation_table(
         "store failures: requests that found no room; keys/s: blocks simulated per second"
     )
     return "\n".join(lines)
+
+
+def _remote_summary(r: ReplayResult) -> str:
+    """The remote tier's line: what it gave, and every chunk it did not take, by reason."""
+    from tiering.replay import format_bytes
+
+    text = (
+        f"{r.remote_hit_blocks:,} hit blocks, {format_bytes(r.remote_read_bytes)} read, "
+        f"{format_bytes(r.remote_write_bytes)} written; "
+    )
+    if r.remote_writes_dropped:
+        reasons = ", ".join(f"{n:,} {why}" for why, n in r.remote_writes_dropped_by_reason.items())
+        text += f"{r.remote_writes_dropped:,} chunk writes dropped ({reasons})"
+    else:
+        text += "no chunk write dropped"
+    if r.remote_rejected:
+        reasons = ", ".join(f"{n:,} {why}" for why, n in r.remote_rejected_by_reason.items())
+        text += f"; {r.remote_rejected:,} values rejected ({reasons})"
+    text += f"; {r.remote_errors:,} failed calls"
+    if r.remote_writes_dropped_by_reason.get("behind"):
+        text += "; the tier fell behind the stores (its write queue was full)"
+    return text
 
 
 def _fail(message: str) -> NoReturn:

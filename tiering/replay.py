@@ -40,7 +40,7 @@ from tiering.config import (
     OffloadingGroupConfig,
     OffloadingModelConfig,
 )
-from tiering.engine import TieringEngine
+from tiering.engine import SecondaryTierStatistics, TieringEngine
 from tiering.errors import CapacityError, ChunkStateError, ConfigError
 from tiering.events import KVEventsConfig
 from tiering.scheduler import JobHandle, JobOutcome, JobResult
@@ -123,7 +123,13 @@ class ReplayResult(msgspec.Struct, frozen=True, kw_only=True):
     remote_hit_blocks: int  # hits read from the remote tier (part of hit_blocks)
     remote_read_bytes: int
     remote_write_bytes: int
-    remote_errors: int  # failed remote calls and chunks not written
+    remote_errors: int  # remote calls that failed (unreachable, timeout, protocol): each once
+    remote_writes_dropped: int  # chunks whose write-through was not written, for any reason
+    #: Those by reason, adding up: ``behind`` (the tier's queue was full: it fell
+    #: behind), ``down``, ``backing off``, ``timeout``, ``failed``, ``refused OOM``...
+    remote_writes_dropped_by_reason: dict[str, int]
+    remote_rejected: int  # values read that failed a check: never loaded, counted as misses
+    remote_rejected_by_reason: dict[str, int]  # by verdict: bad_checksum, foreign_namespace...
     capacity_chunks: int
     cpu_bytes: int
     policy: str
@@ -329,6 +335,7 @@ async def replay(
     final = engine.statistics()  # after close: the last batch and writes are counted
     events = final.events
     remote_stats = final.secondary
+    dropped = _writes_dropped(remote_stats) if remote_stats is not None else {}
     events_dropped = stats.events_dropped_total
     if events is not None:
         events_dropped += sum(sink.dropped_total for sink in events.sinks)
@@ -355,15 +362,29 @@ async def replay(
         remote_hit_blocks=tally.remote_hit_blocks,
         remote_read_bytes=remote_stats.tier.read_bytes_total if remote_stats else 0,
         remote_write_bytes=remote_stats.tier.write_bytes_total if remote_stats else 0,
-        remote_errors=(
-            remote_stats.tier.errors_total + remote_stats.cascade_failed if remote_stats else 0
-        ),
+        remote_errors=remote_stats.tier.errors_total if remote_stats else 0,
+        remote_writes_dropped=sum(dropped.values()),
+        remote_writes_dropped_by_reason=dropped,
+        remote_rejected=remote_stats.tier.rejected_total if remote_stats else 0,
+        remote_rejected_by_reason=remote_stats.tier.rejected_by_reason if remote_stats else {},
         capacity_chunks=engine.manager.capacity,
         cpu_bytes=engine.manager.capacity * engine.layout.row_bytes,
         policy=options.policy,
         backend=engine.backend_name,
         concurrency=options.concurrency,
     )
+
+
+def _writes_dropped(stats: SecondaryTierStatistics) -> dict[str, int]:
+    """Write-throughs not written, by reason; they add up to every chunk not written."""
+    dropped = {"behind": stats.cascade_dropped} if stats.cascade_dropped else {}
+    dropped.update(stats.tier.write_errors_by_reason)
+    # Handed to the tier but not written without the tier saying why: a write
+    # cancelled at close, or by an error in the write-through task itself.
+    other = stats.cascade_failed - stats.tier.write_errors_total
+    if other > 0:
+        dropped["cancelled"] = other
+    return dropped
 
 
 def format_bytes(nbytes: float) -> str:

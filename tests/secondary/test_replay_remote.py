@@ -78,6 +78,11 @@ def test_redis_killed_mid_replay_and_restarted(own_redis_server: RedisServer) ->
     assert summary["requests"] == 4000  # the replay completed
     assert (summary["corrupt_chunks"], summary["failed_jobs"]) == (0, 0)
     assert summary["remote_errors"] > 0  # the outage was counted, never hidden
+    # ... apart from the write-throughs it cost, which say why they were dropped.
+    assert summary["remote_writes_dropped"] == sum(
+        summary["remote_writes_dropped_by_reason"].values()
+    )
+    assert summary["remote_writes_dropped"] > 0
     after = replay(url)  # the tier is back for the next engine
     assert after["remote_write_bytes"] > 0
 
@@ -93,3 +98,31 @@ def test_a_wrong_password_is_one_clear_line(redis_acl_server: RedisServer, tmp_p
     assert len(lines) == 1, done.stderr
     assert "wrong" not in lines[0]  # the password is never shown
     assert str(redis_acl_server.port) in lines[0]
+
+
+def test_a_full_redis_is_shown_in_the_summary_by_reason(own_redis_server: RedisServer) -> None:
+    """Under ``maxmemory`` with ``noeviction`` the summary says how many write-throughs
+    were dropped and why (refused OOM, then backing off), not "0 errors"."""
+    client = own_redis_server.client()
+    client.config_set("maxmemory-policy", "noeviction")
+    client.config_set("maxmemory", int(client.info("memory")["used_memory"]) + (256 << 10))
+    client.close()
+    summary = replay(own_redis_server.url)
+    dropped = summary["remote_writes_dropped_by_reason"]
+    assert dropped.get("refused OOM", 0) > 0
+    assert dropped.get("backing off", 0) > 0  # after a refusal, writes were not all sent
+    assert summary["remote_writes_dropped"] == sum(dropped.values())
+    assert summary["remote_errors"] == 0  # nothing failed: the server refused, and said so
+    assert (summary["remote_rejected"], summary["remote_rejected_by_reason"]) == (0, {})
+    assert (summary["corrupt_chunks"], summary["failed_jobs"]) == (0, 0)
+
+    table = [a for a in REPLAY if a != "--json"]
+    done = subprocess.run(
+        [sys.executable, "-m", "tiering", *table, "--remote", own_redis_server.url],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    (line,) = [row for row in done.stdout.splitlines() if row.startswith("remote tier")]
+    assert "chunk writes dropped (" in line
+    assert "refused OOM" in line
+    assert "backing off" in line

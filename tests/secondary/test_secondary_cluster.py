@@ -80,7 +80,7 @@ async def test_a_chunk_lands_on_the_node_its_hash_tag_names(
             assert direct.strlen(remote) == tier.codec.value_bytes(key)
 
 
-async def test_a_standalone_client_on_a_cluster_node_counts_moved_as_errors(
+async def test_a_standalone_client_on_a_cluster_node_counts_moved_as_refusals(
     redis_cluster: Any, namespace: RemoteNamespace, chunks: Any
 ) -> None:
     keys, rows = chunks.keys(30), chunks.rows(30)  # on every node but once in 10**5 runs
@@ -89,7 +89,10 @@ async def test_a_standalone_client_on_a_cluster_node_counts_moved_as_errors(
         assert 0 < written < 30  # only the first node's own slots take the writes
         s = tier.statistics()
         assert s.write_errors_total == 30 - written
-        assert s.errors_total == 30 - written
-        assert s.last_error is not None
-        assert s.last_error.startswith("MovedError: ")
+        assert s.write_errors_by_reason == {"refused MOVED": 30 - written}
+        assert (s.refused_total, s.refused_by_reason) == (30 - written, {"MOVED": 30 - written})
+        assert s.errors_total == 0  # each chunk counted once: refused, not also an error
+        assert s.last_refusal is not None
+        assert s.last_refusal.startswith("MovedError: ")
         assert s.state == "up"  # a refusal is not an outage
+        assert s.write_state == "up"  # nor a slot move a reason to stop writing

@@ -201,3 +201,47 @@ async def test_all_threads_busy_until_the_deadline_is_overload_not_an_outage(
         assert s.round_trips_total == 0
         assert await tier.contains(keys) == [False, False]  # and the next call goes through
         assert tier.statistics().round_trips_total == 1
+
+
+async def test_a_full_redis_refusing_writes_backs_off_its_writes_and_reads_go_on(
+    own_redis_server: Any, namespace: RemoteNamespace, chunks: Any
+) -> None:
+    """``maxmemory`` with ``noeviction``: SETs are refused (OOM). The refusals are
+    counted once each, by reason; writes then back off (no I/O until the retry
+    time) while lookups and reads go on; when room is made, writes resume."""
+    keys, rows = chunks.keys(40), chunks.rows(40)
+    raw = own_redis_server.client()
+    async with RedisTier(own_redis_server.url, namespace, backoff_s=(0.05, 0.2)) as tier:
+        assert await tier.write(items(keys[:2], rows[:2])) == 2
+        used = int(raw.info("memory")["used_memory"])
+        raw.config_set("maxmemory-policy", "noeviction")
+        raw.config_set("maxmemory", used + 4 * len(rows[0]))  # room for a few more values
+
+        written = await tier.write(items(keys[2:], rows[2:]))
+        assert written < 38
+        s = tier.statistics()
+        refused = 38 - written
+        assert (s.refused_total, s.refused_by_reason) == (refused, {"OOM": refused})
+        assert s.write_errors_by_reason == {"refused OOM": refused}
+        assert s.errors_total == 0  # a refusal is not a failed call, and counted once
+        assert (s.state, s.write_state) == ("up", "backing off")
+        assert s.last_refusal is not None
+        assert "OutOfMemoryError" in s.last_refusal
+
+        # Backing off: the next write is dropped without I/O, and counted so.
+        sets = int(raw.info("commandstats").get("cmdstat_set", {}).get("calls", 0))
+        assert await tier.write(items(keys[2:4], rows[2:4])) == 0
+        assert int(raw.info("commandstats")["cmdstat_set"]["calls"]) == sets
+        s = tier.statistics()
+        assert s.write_errors_by_reason["backing off"] == 2
+        # Lookups and reads still reach the server.
+        buffers = chunks.buffers(2)
+        assert await tier.contains(keys[:2]) == [True, True]
+        assert await tier.read(items(keys[:2], buffers)) == [True, True]
+        assert all(np.array_equal(r, b) for r, b in zip(rows[:2], buffers, strict=True))
+
+        raw.config_set("maxmemory", 0)  # room again: a probe write finds it
+        with anyio.fail_after(20):
+            while await tier.write(items(keys[2:4], rows[2:4])) != 2:
+                await anyio.sleep(0.01)
+        assert tier.statistics().write_state == "up"

@@ -70,13 +70,26 @@ class SecondaryStatistics(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     answers; chunks (``reads_total``, ``read_misses_total``, ``rejected_total``)
     count `SecondaryTier.read` outcomes; bytes are payload bytes (rows), not
     headers. ``write_errors_total`` counts chunks handed to ``write`` that were
-    not written, whatever the reason (down, timeout, refused by the store).
-    ``unavailable_total`` counts calls answered at once, without I/O, because
-    the tier was down and not yet due for a retry. ``timeouts_total`` counts
-    calls that ran out of time (the call's deadline or a socket's); each is
-    also in ``errors_total``. ``busy_total`` counts calls that found every
-    worker thread of the tier busy until their deadline (overload, not a
-    fault: answered as misses, the tier stays up).
+    not written, whatever the reason; ``write_errors_by_reason`` splits them
+    (they add up): ``down`` (answered without I/O while the tier was down),
+    ``backing off`` (without I/O, the store having refused writes just before),
+    ``busy``, ``timeout``, ``failed`` (the call failed: connection lost,
+    protocol error), or ``refused <CODE>`` (the store refused that chunk:
+    ``refused OOM`` from a full Redis with ``noeviction``).
+
+    Each thing is counted once, in one place: ``errors_total`` counts failed
+    calls (the store unreachable, a timeout, a protocol error), never a
+    refusal; ``refused_total`` counts commands the store answered with an
+    error (``refused_by_reason`` by its code; after a refused write the tier
+    backs off its writes, ``write_state`` then says ``backing off``);
+    ``rejected_total`` counts values read that failed a check
+    (``rejected_by_reason`` by `Verdict`). ``unavailable_total`` counts calls
+    answered at once, without I/O, because the tier was down (or backing off
+    its writes) and not yet due for a retry. ``timeouts_total`` counts calls
+    that ran out of time (the call's deadline or a socket's); each is also in
+    ``errors_total``. ``busy_total`` counts calls that found every worker
+    thread of the tier busy until their deadline (overload, not a fault:
+    answered as misses, the tier stays up).
     """
 
     name: str
@@ -101,6 +114,20 @@ class SecondaryStatistics(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     round_trips_total: int
     last_error: str | None
     last_rejection: str | None
+    refused_total: int = 0
+    refused_by_reason: dict[str, int] = msgspec.field(default_factory=dict)
+    rejected_by_reason: dict[str, int] = msgspec.field(default_factory=dict)
+    write_errors_by_reason: dict[str, int] = msgspec.field(default_factory=dict)
+    last_refusal: str | None = None
+    write_state: str = "up"  # "up", or "backing off" after the store refused writes
+
+
+#: Why chunks handed to `SecondaryTier.write` were not written (see `SecondaryStatistics`).
+UNWRITTEN_DOWN = "down"
+UNWRITTEN_BACKING_OFF = "backing off"
+UNWRITTEN_BUSY = "busy"
+UNWRITTEN_TIMEOUT = "timeout"
+UNWRITTEN_FAILED = "failed"
 
 
 class TierCounters:
@@ -112,6 +139,7 @@ class TierCounters:
         "errors_total",
         "hits_total",
         "last_error",
+        "last_refusal",
         "last_rejection",
         "misses_total",
         "read_bytes_total",
@@ -119,12 +147,16 @@ class TierCounters:
         "read_misses_total",
         "reads_total",
         "reconnects_total",
+        "refused_by_reason",
+        "refused_total",
+        "rejected_by_reason",
         "rejected_total",
         "round_trips_total",
         "timeouts_total",
         "unavailable_total",
         "write_bytes_total",
         "write_calls",
+        "write_errors_by_reason",
         "write_errors_total",
         "writes_total",
     )
@@ -136,9 +168,13 @@ class TierCounters:
         self.write_calls = self.writes_total = self.write_bytes_total = 0
         self.write_errors_total = self.errors_total = self.timeouts_total = 0
         self.unavailable_total = self.reconnects_total = self.round_trips_total = 0
-        self.busy_total = 0
+        self.busy_total = self.refused_total = 0
+        self.refused_by_reason: dict[str, int] = {}
+        self.rejected_by_reason: dict[str, int] = {}
+        self.write_errors_by_reason: dict[str, int] = {}
         self.last_error: str | None = None
         self.last_rejection: str | None = None
+        self.last_refusal: str | None = None
 
     def error(self, message: str) -> None:
         self.errors_total += 1
@@ -151,11 +187,40 @@ class TierCounters:
         self.misses_total += len(found) - hits
         return found
 
-    def written(self, written: int, offered: int, row_bytes: int) -> int:
-        """Count a write of ``written`` of ``offered`` chunks (the rest failed); return it."""
+    def refused(self, reason: str, message: str) -> None:
+        """Count one command the store refused (``reason``: its error code, e.g. ``OOM``)."""
+        self.refused_total += 1
+        self.refused_by_reason[reason] = self.refused_by_reason.get(reason, 0) + 1
+        self.last_refusal = message
+
+    def written(
+        self,
+        written: int,
+        offered: int,
+        row_bytes: int,
+        *,
+        cause: str = UNWRITTEN_FAILED,
+        refused: Sequence[tuple[str, str]] = (),
+    ) -> int:
+        """Count a write of ``written`` of ``offered`` chunks; return it.
+
+        ``refused`` holds ``(reason, message)`` per chunk the store refused
+        (each also counted by `refused`); the other chunks not written are
+        put down to ``cause``.
+        """
         self.writes_total += written
         self.write_bytes_total += written * row_bytes
-        self.write_errors_total += offered - written
+        unwritten = offered - written
+        if unwritten:
+            self.write_errors_total += unwritten
+            by_reason = self.write_errors_by_reason
+            for reason, message in refused:
+                self.refused(reason, message)
+                label = f"refused {reason}"
+                by_reason[label] = by_reason.get(label, 0) + 1
+            rest = unwritten - len(refused)
+            if rest > 0:
+                by_reason[cause] = by_reason.get(cause, 0) + rest
         return written
 
     def read(self, key: OffloadKey, verdict: Verdict | None, row_bytes: int) -> bool:
@@ -171,11 +236,16 @@ class TierCounters:
 
     def rejected(self, key: OffloadKey, verdict: Verdict) -> None:
         self.rejected_total += 1
+        reason = verdict.value
+        self.rejected_by_reason[reason] = self.rejected_by_reason.get(reason, 0) + 1
         self.last_rejection = f"{verdict.value} for key {bytes(key).hex()}"
 
-    def snapshot(self, name: str, state: str) -> SecondaryStatistics:
+    def snapshot(self, name: str, state: str, write_state: str = "up") -> SecondaryStatistics:
         fields: dict[str, Any] = {slot: getattr(self, slot) for slot in self.__slots__}
-        return SecondaryStatistics(name=name, state=state, **fields)
+        for slot, value in fields.items():
+            if isinstance(value, dict):
+                fields[slot] = dict(value)  # a snapshot: later counts do not change it
+        return SecondaryStatistics(name=name, state=state, write_state=write_state, **fields)
 
 
 class SecondaryTier(AsyncResource):

@@ -15,10 +15,14 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 import anyio
+import anyio.lowlevel
 
 from tiering._types import Medium, OffloadKey
 from tiering.errors import ConfigError, ResourceClosedError
 from tiering.secondary.base import (
+    UNWRITTEN_DOWN,
+    UNWRITTEN_FAILED,
+    UNWRITTEN_TIMEOUT,
     Locality,
     ReadItem,
     SecondaryStatistics,
@@ -151,7 +155,7 @@ class MemoryTier(SecondaryTier):
         self._check_open()
         c = self._counters
         c.contains_calls += 1
-        if not await self._reachable():
+        if await self._unreachable() is not None:
             return c.found([False] * len(keys))
         return c.found([self.store.exists(self.codec.remote_key(k)) for k in keys])
 
@@ -160,8 +164,9 @@ class MemoryTier(SecondaryTier):
         values = [(self.codec.remote_key(k), self.codec.encode(k, row)) for k, row in items]
         c = self._counters
         c.write_calls += 1
-        if not await self._reachable():
-            return c.written(0, len(values), self.row_bytes)
+        cause = await self._unreachable()
+        if cause is not None:
+            return c.written(0, len(values), self.row_bytes, cause=cause)
         for remote_key, value in values:
             self.store[remote_key] = value
         return c.written(len(values), len(values), self.row_bytes)
@@ -171,7 +176,7 @@ class MemoryTier(SecondaryTier):
         views = [writable_row(buffer, self.row_bytes) for _, buffer in items]
         c = self._counters
         c.read_calls += 1
-        if not await self._reachable():
+        if await self._unreachable() is not None:
             c.read_misses_total += len(views)
             return [False] * len(views)
         filled = []
@@ -187,43 +192,52 @@ class MemoryTier(SecondaryTier):
     async def aclose(self) -> None:
         self._state = TierState.CLOSED
         self.resume()
+        await anyio.lowlevel.checkpoint()
 
     # -- internals --------------------------------------------------------------
 
+    def _is_closed(self) -> bool:
+        return self._state is TierState.CLOSED
+
     def _check_open(self) -> None:
-        if self._state is TierState.CLOSED:
+        if self._is_closed():
             raise ResourceClosedError(f"{self!r} is closed")
 
-    async def _reachable(self) -> bool:
-        """One "round trip": False (counted) when the store is away, failing or paused too long."""
+    async def _unreachable(self) -> str | None:
+        """One "round trip": ``None`` when the store answers, else why not (counted):
+        away (``down``), paused too long (``timeout``) or failing (``failed``)."""
         c = self._counters
+        await anyio.lowlevel.checkpoint()  # a store in memory answers at once: still yield
+        if self._is_closed():
+            return UNWRITTEN_DOWN  # closed while this call yielded: a miss, not an error
         if not self._available:
             c.unavailable_total += 1
-            return False
+            return UNWRITTEN_DOWN
         if self._pause_requested:
             if self._paused is None:
                 self._paused = anyio.Event()
             with anyio.move_on_after(self.timeout_s):
                 await self._paused.wait()
-            if self._state is TierState.CLOSED:
-                return False  # closed while this call waited: a miss, not an error
+            if self._is_closed():
+                return UNWRITTEN_DOWN  # closed while this call waited: a miss, not an error
             if self._pause_requested:
                 c.timeouts_total += 1
-                return self._failed(f"TimeoutError: no answer within {self.timeout_s} s")
+                self._failed(f"TimeoutError: no answer within {self.timeout_s} s")
+                return UNWRITTEN_TIMEOUT
         c.round_trips_total += 1
         if self._fail_next > 0:
             self._fail_next -= 1
-            return self._failed(self._fail_message)
+            self._failed(self._fail_message)
+            return UNWRITTEN_FAILED
         if self._state is TierState.DOWN:
             self._state = TierState.UP
             c.reconnects_total += 1
-        return True
+        return None
 
-    def _failed(self, message: str) -> bool:
+    def _failed(self, message: str) -> None:
         self._counters.error(message)
         if self._state is TierState.UP:
             self._state = TierState.DOWN
-        return False
 
     def __repr__(self) -> str:
         c = self._counters

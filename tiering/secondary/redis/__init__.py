@@ -30,21 +30,31 @@ that is down takes the tier *down* (see `tiering.secondary.health`): calls
 then miss, writes are dropped and counted, without any I/O, until a probe
 finds the server again; retries back off exponentially. redis-py's own retries
 are turned off so that only this schedule applies. An error the server
-answers for one command (out of memory, a key of the wrong type) is counted
-and does not take the tier down.
+answers for one command (out of memory, read-only, a key of the wrong type)
+is counted by its code and does not take the tier down; but a refused write
+takes the tier's *writes* down on a gate of their own, with the same backoff:
+a Redis full under ``noeviction`` is not sent every write-through only to
+refuse it, while lookups and reads go on.
 """
 
 from __future__ import annotations
 
+import logging
 import urllib.parse
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import anyio
+import anyio.lowlevel
 
 from tiering._types import OffloadKey
 from tiering.errors import ConfigError, ResourceClosedError
 from tiering.secondary.base import (
+    UNWRITTEN_BACKING_OFF,
+    UNWRITTEN_BUSY,
+    UNWRITTEN_DOWN,
+    UNWRITTEN_FAILED,
+    UNWRITTEN_TIMEOUT,
     Locality,
     ReadItem,
     SecondaryStatistics,
@@ -58,6 +68,11 @@ from tiering.secondary.health import Admission, HealthGate, TierState
 from tiering.secondary.redis.wire import Answer, Guard, RedisWire, Row, Work
 
 __all__ = ["RedisTier", "redact_url"]
+
+logger = logging.getLogger(__name__)
+
+#: Refusals that say where a key lives now, not that the server refuses writes.
+_SLOT_MOVES = frozenset({"MOVED", "ASK", "TRYAGAIN"})
 
 T = TypeVar("T")
 
@@ -166,6 +181,9 @@ class RedisTier(SecondaryTier):
         self.max_batch = max_batch
         self.max_concurrency = max_concurrency
         self._health = HealthGate(backoff_s)
+        # Writes the server refuses (OOM under noeviction, READONLY, MISCONF)
+        # back off on a gate of their own: reads and lookups go on meanwhile.
+        self._write_gate = HealthGate(backoff_s)
         self._counters = TierCounters()
         self._slots: anyio.CapacityLimiter | None = None  # calls in worker threads
         self._threads: anyio.CapacityLimiter | None = None  # our own, not anyio's default
@@ -229,9 +247,10 @@ class RedisTier(SecondaryTier):
         c = self._counters
         c.contains_calls += 1
         if not keys:
+            await anyio.lowlevel.checkpoint()
             return []
         rows = [(k, self.codec.remote_key(k), None) for k in keys]
-        answer = await self._run(self._wire.contains, rows)
+        answer, _ = await self._run(self._wire.contains, rows)
         found = [bool(v) for v in answer.values] if answer is not None else [False] * len(keys)
         return c.found(found)
 
@@ -241,10 +260,13 @@ class RedisTier(SecondaryTier):
         c = self._counters
         c.write_calls += 1
         if not rows:
+            await anyio.lowlevel.checkpoint()
             return 0
-        answer = await self._run(self._wire.write, rows)
-        written = sum(1 for v in answer.values if v) if answer is not None else 0
-        return c.written(written, len(rows), self.row_bytes)
+        answer, cause = await self._run(self._wire.write, rows, write=True)
+        if answer is None:
+            return c.written(0, len(rows), self.row_bytes, cause=cause)
+        written = sum(1 for v in answer.values if v)
+        return c.written(written, len(rows), self.row_bytes, cause=cause, refused=answer.refused)
 
     async def read(self, items: Sequence[ReadItem]) -> list[bool]:
         self._check_open()
@@ -252,8 +274,9 @@ class RedisTier(SecondaryTier):
         c = self._counters
         c.read_calls += 1
         if not rows:
+            await anyio.lowlevel.checkpoint()
             return []
-        answer = await self._run(self._wire.read, rows)
+        answer, _ = await self._run(self._wire.read, rows)
         verdicts = answer.values if answer is not None else [None] * len(rows)
         return [
             c.read(key, verdict, self.row_bytes)
@@ -261,13 +284,16 @@ class RedisTier(SecondaryTier):
         ]
 
     def statistics(self) -> SecondaryStatistics:
-        return self._counters.snapshot(self.name, self.state.value)
+        writes = "backing off" if self._write_gate.state is TierState.DOWN else "up"
+        return self._counters.snapshot(self.name, self.state.value, writes)
 
     async def aclose(self) -> None:
         if self._closed:
+            await anyio.lowlevel.checkpoint()
             return
         self._closed = True
         self._health.close()
+        self._write_gate.close()
         with anyio.move_on_after(self.timeout_s):
             await anyio.to_thread.run_sync(self._wire.close, abandon_on_cancel=True)
 
@@ -287,13 +313,27 @@ class RedisTier(SecondaryTier):
         self,
         work: Work[T],
         rows: list[Row],
-    ) -> Answer[T] | None:
-        """Run ``work`` in a worker thread within the timeout, unless the tier is down."""
+        *,
+        write: bool = False,
+    ) -> tuple[Answer[T] | None, str]:
+        """Run ``work`` in a worker thread within the timeout, unless the tier is down.
+
+        Returns the answer (``None``: nothing was answered) and, for what was
+        left unanswered, why (an ``UNWRITTEN_*`` cause). A ``write`` also
+        passes the write gate, which refused writes take down.
+        """
         c = self._counters
         admission = self._health.admit()
         if admission is None:
             c.unavailable_total += 1
-            return None
+            await anyio.lowlevel.checkpoint()  # answered without I/O, but still a checkpoint
+            return None, UNWRITTEN_DOWN
+        writing = self._write_gate.admit() if write else None
+        if write and writing is None:
+            self._health.release(admission)
+            c.unavailable_total += 1
+            await anyio.lowlevel.checkpoint()
+            return None, UNWRITTEN_BACKING_OFF
         guard = Guard()
         answer: Answer[T] | None = None
         slots, threads = self._limiters()
@@ -313,27 +353,58 @@ class RedisTier(SecondaryTier):
         except BaseException:  # cancelled from outside: give the buffers back, then go
             guard.abandon()
             self._health.release(admission)
+            if writing is not None:
+                self._write_gate.release(writing)
             raise
+        if answer is None or answer.unavailable is not None or answer.errors:
+            if writing is not None:  # says nothing about whether writes are accepted
+                self._write_gate.release(writing)
+        elif writing is not None:
+            self._writes_answered(writing, answer.refused)
         if answer is None and not started:
             # Every worker thread stayed busy for the whole timeout: the tier is
             # overloaded, which says nothing about the server. Not a fault.
             self._health.release(admission)
             c.busy_total += 1
-            return None
+            return None, UNWRITTEN_BUSY
         if answer is None:
             guard.abandon()
             c.timeouts_total += 1
             self._failed(admission, f"TimeoutError: no answer within {self.timeout_s} s")
-            return None
+            return None, UNWRITTEN_TIMEOUT
         c.round_trips_total += answer.round_trips
         for error in answer.errors:
             c.error(error)
+        if not write:  # a write's refusals are counted with its chunks
+            for reason, message in answer.refused:
+                c.refused(reason, message)
         if answer.unavailable is not None:
             c.timeouts_total += answer.timed_out
             self._failed(admission, answer.unavailable)
         elif self._health.succeeded(admission):
             c.reconnects_total += 1
-        return answer
+        return answer, UNWRITTEN_TIMEOUT if answer.timed_out else UNWRITTEN_FAILED
+
+    def _writes_answered(self, admission: Admission, refused: Sequence[tuple[str, str]]) -> None:
+        """The server answered a write: refusals take the write gate down (back off).
+
+        A slot that moved (a cluster resharding, or a standalone client on a
+        cluster node) is not the server refusing writes: it does not count.
+        """
+        refused = [r for r in refused if r[0] not in _SLOT_MOVES]
+        if not refused:
+            if self._write_gate.succeeded(admission):
+                logger.warning("Redis tier at %s accepts writes again", self.url)
+            return
+        if self._write_gate.failed(admission):
+            reason, message = refused[0]
+            logger.warning(
+                "Redis tier at %s refused %d writes (%s: %s); writes back off, reads go on",
+                self.url,
+                len(refused),
+                reason,
+                message,
+            )
 
     def _failed(self, admission: Admission, message: str) -> None:
         self._counters.error(message)

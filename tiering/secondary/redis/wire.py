@@ -492,12 +492,15 @@ Row = tuple[OffloadKey, bytes, Any]
 class Answer(Generic[T]):
     """What a worker thread did: a value per row (``None``: no answer), errors, trips."""
 
-    __slots__ = ("errors", "round_trips", "timed_out", "unavailable", "values")
+    __slots__ = ("errors", "refused", "round_trips", "timed_out", "unavailable", "values")
 
     def __init__(self, rows: int) -> None:
         self.values: list[T | None] = [None] * rows
         self.round_trips = 0
+        #: What made the call fail (the store could not answer it as a whole).
         self.errors: list[str] = []
+        #: ``(reason, message)`` per command the server refused (``OOM``, ``READONLY``, ...).
+        self.refused: list[tuple[str, str]] = []
         #: Why the store could not be reached, if it could not (the rest is unanswered).
         self.unavailable: str | None = None
         #: Whether that was a socket timing out.
@@ -664,7 +667,7 @@ class RedisWire:
             return True
         if isinstance(reply, _errors().unavailable):
             raise reply  # CLUSTERDOWN and the like: the store as a whole is away
-        answer.errors.append(describe(reply))
+        answer.refused.append((refusal_reason(reply), describe(reply)))
         if isinstance(reply, _errors().moved):
             self._refresh_slots = True  # the slot map is stale: refresh it on the next call
         return False
@@ -835,6 +838,29 @@ class _RedisErrors:
 
 
 _ERRORS: _RedisErrors | None = None
+_CODES: dict[type[BaseException], str] | None = None
+
+
+def refusal_reason(exc: BaseException) -> str:
+    """The server's error code of a refusal: ``OOM``, ``READONLY``, ``WRONGTYPE``, ``ERR``...
+
+    redis-py strips the code off the message of the errors it maps to a class
+    of their own (``OOM`` becomes `OutOfMemoryError`), so those are mapped back.
+    """
+    global _CODES
+    if _CODES is None:
+        from redis._parsers.base import BaseParser
+
+        _CODES = {
+            cls: code for code, cls in BaseParser.EXCEPTION_CLASSES.items() if isinstance(cls, type)
+        }
+    code = _CODES.get(type(exc))
+    if code is not None:
+        return code
+    first = str(exc).split(" ", 1)[0]
+    if first.isalpha() and first.isupper():
+        return first  # a code redis-py does not know keeps its message whole
+    return "ERR" if type(exc).__name__ == "ResponseError" else type(exc).__name__
 
 
 def _errors() -> _RedisErrors:
