@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -238,3 +239,19 @@ async def test_every_secondary_tier_call_yields(make_tier: Callable[[], Secondar
     finally:
         await tier.aclose()
     _assert_yields(await _turns_during(tier.aclose))
+
+
+async def test_reading_buffered_event_batches_yields() -> None:
+    config = msgspec.structs.replace(_config(), enable_kv_cache_events=True)
+    async with TieringEngine(
+        config, _kv(), cpu_bytes=4 * ROW_BYTES, backend="mock", prefault=False
+    ) as engine:
+        subscription = engine.subscribe()
+        for i in range(CALLS):
+            assert (await (await engine.submit_store(_keys(i), GPULoadStoreSpec([0])))).success
+        await engine.flush([0])
+        await anyio.wait_all_tasks_blocked()
+        assert subscription.pending >= CALLS // 2  # batches at hand: no wait needed
+        _assert_yields(await _turns_during(subscription.__anext__, CALLS // 2), CALLS // 2)
+        await subscription.aclose()
+        _assert_yields(await _turns_during(subscription.aclose))

@@ -66,3 +66,19 @@ def test_too_many_requests_of_a_workload_name_the_flag(
     assert "--requests 1,000,000,000" in err
     assert "at most 10,000,000" in err
     assert "num_requests" not in err
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("redis://127.0.0.1:99999", "port out of range"),
+        ("redis://", "names no host"),
+        ("redis://127.0.0.1:6380/abc", "names database 'abc'"),
+    ],
+)
+def test_a_bad_remote_url_is_one_line(
+    capsys: pytest.CaptureFixture[str], url: str, message: str
+) -> None:
+    pytest.importorskip("redis")
+    argv = ["replay", "--workload", "chat", "--requests", "5", "--remote", url]
+    assert message in _one_error_line(capsys, argv)

@@ -10,7 +10,7 @@ from tiering.cpu.manager import (
     CPUOffloadingManager,
     LookupResult,
 )
-from tiering.errors import ChunkStateError, ConfigError, UnknownKeyError
+from tiering.errors import ChunkStateError, ConfigError, InvalidKeyError, UnknownKeyError
 from tiering.policies import POLICY_NAMES
 
 
@@ -358,3 +358,12 @@ def test_recency_is_right_when_a_store_lands_after_the_touch() -> None:
     out = m.prepare_store(keys(4))
     assert out is not None
     assert out.evicted_keys == (k(2),)  # the tail goes first; the head 1 stays
+
+
+@pytest.mark.parametrize("keys", [["abc"], [1, 2], [[1]], [k(0), "late"], [None]])
+def test_a_key_that_is_not_bytes_is_refused_before_anything_changes(keys: list[object]) -> None:
+    manager = CPUOffloadingManager(4, "lru")
+    before = manager.statistics()
+    with pytest.raises(InvalidKeyError, match="offload keys must be bytes"):
+        manager.prepare_store(keys)  # type: ignore[arg-type]
+    assert manager.statistics() == before

@@ -105,6 +105,36 @@ async def test_rediss_with_an_untrusted_certificate_is_one_clear_config_error(
     assert "\n" not in str(info.value)
 
 
+async def test_rediss_to_a_plain_server_and_redis_to_a_tls_port_say_which_is_wrong(
+    redis_tls_server: Any, namespace: RemoteNamespace
+) -> None:
+    plain = f"rediss://127.0.0.1:{redis_tls_server.port}/0"
+    with pytest.raises(ConfigError, match=r"use redis:// instead of rediss://"):
+        await RedisTier.open(plain, namespace, timeout_s=0.5)
+    tls = f"redis://127.0.0.1:{redis_tls_server.tls_port}/0"
+    with pytest.raises(ConfigError, match=r"use rediss:// instead of redis://"):
+        await RedisTier.open(tls, namespace, timeout_s=2.0)
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("redis://", "names no host"),
+        ("redis://:6380/0", "names no host"),
+        ("redis://127.0.0.1:99999", "port out of range; give a port from 1 to 65535"),
+        ("redis://127.0.0.1:0/0", "port out of range"),
+        ("redis://127.0.0.1:6380/abc", "names database 'abc'; a Redis database is a number"),
+        ("rediss://u:secret@127.0.0.1:6380/x1", "names database 'x1'"),
+    ],
+)
+def test_a_url_without_a_host_a_port_or_a_database_number_is_refused(
+    namespace: RemoteNamespace, url: str, message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message) as info:
+        RedisTier(url, namespace)
+    assert "secret" not in str(info.value)
+
+
 async def test_large_batches_are_split_into_pipelines_of_max_batch(
     redis_server: Any, namespace: RemoteNamespace, chunks: Any
 ) -> None:

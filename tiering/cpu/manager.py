@@ -30,7 +30,7 @@ import msgspec
 from tiering._types import Medium, OffloadKey
 from tiering.config import DEFAULT_POLICY
 from tiering.cpu.common import CPULoadStoreSpec
-from tiering.errors import ChunkStateError, ConfigError, SpecError, UnknownKeyError
+from tiering.errors import ChunkStateError, ConfigError, InvalidKeyError, UnknownKeyError
 from tiering.policies import CachePolicy, create_policy
 
 __all__ = [
@@ -135,7 +135,7 @@ class _Chunk(msgspec.Struct, gc=False):
 def _check_key(key: object) -> None:
     """Refuse a key that is not `bytes` (an `OffloadKey`), before anything changes."""
     if not isinstance(key, bytes):
-        raise SpecError(
+        raise InvalidKeyError(
             f"offload keys must be bytes, as make_offload_key(block_hash, group) gives; "
             f"got {key!r} ({type(key).__name__})"
         )

@@ -26,6 +26,7 @@ from collections.abc import Iterable
 from typing import Protocol
 
 import anyio
+import anyio.lowlevel
 import msgspec
 from anyio.abc import AsyncResource
 
@@ -135,6 +136,8 @@ class EventSubscription(AsyncResource):
         return self
 
     async def __anext__(self) -> EventItem:
+        if self._buffer:  # a checkpoint even with batches at hand (trio's rule)
+            await anyio.lowlevel.checkpoint()
         while not self._buffer:
             if self._closed or self._ended:
                 raise StopAsyncIteration
@@ -156,13 +159,13 @@ class EventSubscription(AsyncResource):
 
     async def aclose(self) -> None:
         """Stop now: unread batches are discarded and iteration ends. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self._buffer.clear()
-        self._bus._detach(self)
-        if self._wakeup is not None:
-            self._wakeup.set()
+        if not self._closed:
+            self._closed = True
+            self._buffer.clear()
+            self._bus._detach(self)
+            if self._wakeup is not None:
+                self._wakeup.set()
+        await anyio.lowlevel.checkpoint()  # closed whatever the cancellation
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "ended" if self._ended else "open"
@@ -257,6 +260,7 @@ class EventBus(AsyncResource):
     async def aclose(self) -> None:
         """End every subscription (after its buffered batches) and close the sinks. Idempotent."""
         if self._state is not BusState.OPEN:
+            await anyio.lowlevel.checkpoint()
             return
         self._state = BusState.CLOSING
         for subscription in list(self._subscriptions):

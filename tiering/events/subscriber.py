@@ -39,6 +39,7 @@ import socket
 from collections import deque
 
 import anyio
+import anyio.lowlevel
 import msgspec
 import zmq
 from anyio.abc import AsyncResource
@@ -223,6 +224,8 @@ class ZmqSubscriber(AsyncResource):
         return self
 
     async def __anext__(self) -> EventItem:
+        if self._pending:  # a checkpoint even with events at hand (trio's rule)
+            await anyio.lowlevel.checkpoint()
         while not self._pending:
             if self._state is SubscriberState.CLOSED:
                 raise StopAsyncIteration
@@ -334,9 +337,12 @@ class ZmqSubscriber(AsyncResource):
             self._accept(*held)
 
     async def aclose(self) -> None:
-        """Close the sockets and end iteration. Idempotent."""
-        if self._state is SubscriberState.CLOSED:
-            return
+        """Close the sockets and end iteration. Idempotent; always a checkpoint."""
+        if self._state is not SubscriberState.CLOSED:
+            self._close_now()
+        await anyio.lowlevel.checkpoint()  # closed whatever the cancellation
+
+    def _close_now(self) -> None:
         self._state = SubscriberState.CLOSED
         self._pending.clear()
         if self._peers is not None:
@@ -350,6 +356,7 @@ class ZmqSubscriber(AsyncResource):
     async def __aenter__(self) -> ZmqSubscriber:
         if self._state is SubscriberState.CLOSED:
             raise ResourceClosedError("the ZMQ subscriber is closed")
+        await anyio.lowlevel.checkpoint()
         return self
 
     def __repr__(self) -> str:

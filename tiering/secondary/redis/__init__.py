@@ -96,6 +96,7 @@ def _split_cluster_option(url: str, cluster: bool | None) -> tuple[str, bool | N
         raise ConfigError(
             f"a Redis tier URL must start with redis:// or rediss://, got {redact_url(url)!r}"
         )
+    _check_address(parts, url)
     query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
     kept = []
     for name, value in query:
@@ -114,6 +115,28 @@ def _split_cluster_option(url: str, cluster: bool | None) -> tuple[str, bool | N
         cluster = option if cluster is None else cluster
     plain = urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(kept)))
     return plain, cluster
+
+
+def _check_address(parts: urllib.parse.SplitResult, url: str) -> None:
+    """Refuse a URL without a host, with a port out of range or a database that is no number."""
+    shown = redact_url(url) if parts.password else url
+    form = f"{parts.scheme}://[user[:password]@]host[:port][/db]"
+    if not parts.hostname:
+        raise ConfigError(f"the Redis tier URL {shown!r} names no host; give {form}")
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if port is not None and not 1 <= port <= 65535:
+        raise ConfigError(
+            f"the Redis tier URL {shown!r} has a port out of range; give a port from 1 to 65535"
+        )
+    db = parts.path.lstrip("/")
+    if db and not db.isdigit():
+        raise ConfigError(
+            f"the Redis tier URL {shown!r} names database {db!r}; a Redis database is a "
+            f"number ({form}, e.g. /0)"
+        )
 
 
 class RedisTier(SecondaryTier):

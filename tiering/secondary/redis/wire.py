@@ -870,6 +870,10 @@ def _errors() -> _RedisErrors:
     return _ERRORS
 
 
+#: What a plain-TCP client reads from a server that expects a TLS handshake.
+_CLOSED_WORDS = ("Connection closed by server", "Connection reset by peer")
+
+
 def _config_error(url: str, exc: BaseException, errors: _RedisErrors) -> ConfigError:
     text = describe(exc)
     if isinstance(exc, errors.auth) or any(w in str(exc) for w in _AUTH_WORDS):
@@ -882,4 +886,12 @@ def _config_error(url: str, exc: BaseException, errors: _RedisErrors) -> ConfigE
             f"cannot open the Redis tier at {url}: the user may not run the commands the tier "
             f"needs: PING, EXISTS, GET, SET, INFO ({text})"
         )
-    return ConfigError(f"cannot reach the Redis tier at {url}: {text}")
+    hint = ""
+    if url.startswith("rediss://") and (isinstance(exc, errors.timeout) or "SSL" in text):
+        hint = (
+            "; the TLS handshake did not complete: if the server speaks plain TCP on this "
+            "port, use redis:// instead of rediss://"
+        )
+    elif url.startswith("redis://") and any(w in text for w in _CLOSED_WORDS):
+        hint = "; if the server speaks TLS on this port, use rediss:// instead of redis://"
+    return ConfigError(f"cannot reach the Redis tier at {url}: {text}{hint}")
