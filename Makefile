@@ -46,6 +46,7 @@ bench: install
 	$(BIN)/python bench/engine.py
 	$(BIN)/python bench/events.py
 	$(BIN)/python bench/remote.py
+	$(BIN)/python bench/concurrency.py
 
 # Regenerate dashboards/tiering.json; check and unit-test the alert rules where promtool is.
 dashboards: install
