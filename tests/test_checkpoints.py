@@ -13,6 +13,7 @@ checkpoint the counter task gets no turn at all.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -34,6 +35,7 @@ from tiering.engine import TieringEngine
 from tiering.scheduler import JobOutcome
 from tiering.secondary import MemoryTier, RemoteNamespace, SecondaryTier
 from tiering.specs import GPULoadStoreSpec
+from tiering.transfer.mock import MockBackend
 
 pytestmark = pytest.mark.anyio
 
@@ -167,10 +169,70 @@ async def test_a_loop_of_stores_that_end_at_submission_lets_a_deadline_fire(
     """The issue's symptom: a ``fail_after`` around such a loop never fired."""
     assert (await (await engine.submit_store(_keys(1), GPULoadStoreSpec([0])))).success
     with anyio.move_on_after(0.05) as scope:
-        while True:
+        for _ in range(200_000):  # bounded: without a checkpoint the deadline never fires
             await (await engine.submit_store(_keys(1), GPULoadStoreSpec([0])))
             await engine.flush([0])
     assert scope.cancelled_caught
+
+
+async def test_flush_of_blocks_no_store_in_flight_reads_yields() -> None:
+    async with TieringEngine(
+        _config(),
+        _kv(),
+        cpu_bytes=4 * ROW_BYTES,
+        backend="mock",
+        backend_options={"gated": True},
+        prefault=False,
+    ) as engine:
+        held = await engine.submit_store(_keys(1), GPULoadStoreSpec([0]))  # held at the gate
+        assert not held.done()
+        _assert_yields(await _turns_during(lambda: engine.flush([5, 6])))
+        assert isinstance(engine.backend, MockBackend)
+        engine.backend.open_gate()
+        assert (await held).success
+
+
+@pytest.mark.parametrize("secondary", [None, MemoryTier])
+async def test_a_cancelled_open_leaves_the_engine_new_and_nothing_acquired(
+    secondary: Any,
+) -> None:
+    engine = TieringEngine(
+        _config(), _kv(), cpu_bytes=4 * ROW_BYTES, backend="mock", secondary=secondary
+    )
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        async with engine:
+            pytest.fail("the body of a cancelled open ran")
+    assert engine.statistics().state == "new"
+    assert engine.statistics().pool is None
+    await engine.aclose()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("kind", ["store", "load"])
+async def test_asyncio_cancellation_never_loses_a_queued_job(anyio_backend: str, kind: str) -> None:
+    """asyncio's own cancellation (``asyncio.timeout``, ``task.cancel``) passes through
+    anyio's shields: a submission either raises with nothing queued, or returns its
+    handle; never a job queued whose handle the caller lost."""
+    import asyncio
+
+    async with TieringEngine(
+        _config(), _kv(), cpu_bytes=4 * ROW_BYTES, backend="mock", prefault=False
+    ) as engine:
+        assert (await (await engine.submit_store(_keys(1), GPULoadStoreSpec([0])))).success
+        handle = None
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(0):
+                if kind == "store":
+                    handle = await engine.submit_store(_keys(2), GPULoadStoreSpec([1]))
+                else:
+                    handle = await engine.submit_load(_keys(1), GPULoadStoreSpec([2]))
+        stats = engine.statistics()
+        if handle is None:  # cancelled: nothing was queued
+            assert (stats.manager.open_store_jobs, stats.manager.open_load_jobs) == (0, 0)
+            assert stats.scheduler.stores.succeeded + stats.scheduler.loads.succeeded == 1
+        else:
+            await handle
 
 
 async def test_promote_of_chunks_held_by_the_cpu_tier_yields() -> None:

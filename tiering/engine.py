@@ -732,6 +732,7 @@ class TieringEngine:
         return self._backend
 
     async def __aenter__(self) -> Self:
+        await anyio.lowlevel.checkpoint()  # before anything is acquired: a cancel leaves it new
         if self._state is not _State.NEW:
             raise ResourceClosedError(f"the engine is {self._state.value}; an engine opens once")
         self._pool = HostMemoryPool(
@@ -762,7 +763,6 @@ class TieringEngine:
                 await self._events.aclose()
             raise
         self._state = _State.OPEN
-        await anyio.lowlevel.checkpoint()
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:

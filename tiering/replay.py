@@ -383,7 +383,7 @@ def _writes_dropped(stats: SecondaryTierStatistics) -> dict[str, int]:
     # cancelled at close, or by an error in the write-through task itself.
     other = stats.cascade_failed - stats.tier.write_errors_total
     if other > 0:
-        dropped["cancelled"] = other
+        dropped["cancelled"] = dropped.get("cancelled", 0) + other
     return dropped
 
 

@@ -584,9 +584,9 @@ class Scheduler:
     ) -> JobHandle:
         """As `submit_nowait`, but waits for room in the queue instead of raising.
 
-        Always a checkpoint: a cancellation before the job is queued raises
-        (and queues nothing); once queued, the handle is returned after
-        letting the loop run, whatever the cancellation.
+        Always a checkpoint, taken before the job is queued: a cancellation
+        raises and queues nothing; once queued, the handle is returned without
+        another await (so no cancellation, of any kind, can lose it).
         """
         return await self.submit_waiting(kind, lambda: self.submit_nowait(kind, keys, gpu))
 
@@ -596,21 +596,18 @@ class Scheduler:
         For owners that do more than `submit_nowait` at submission (the engine
         describes a store's blocks before anything can complete it).
         """
-        await anyio.lowlevel.checkpoint_if_cancelled()
+        # Yield first: a job that ends at submission (keys present, no room)
+        # must still let the loop run; after a successful submit nothing is
+        # awaited (asyncio's own cancellation passes through anyio's shields).
+        await anyio.lowlevel.checkpoint()
         direction = self._dirs[kind]
-        waited = False
         while True:
             try:
-                handle = submit()
+                return submit()
             except anyio.WouldBlock:
                 if direction.room.is_set():
                     direction.room = anyio.Event()
                 await direction.room.wait()
-                waited = True
-                continue
-            if not waited:  # a job that ends at submission must still yield
-                await anyio.lowlevel.cancel_shielded_checkpoint()
-            return handle
 
     async def flush(self, block_ids: Sequence[int] | IntArray) -> None:
         """Return once no store submitted before this call still reads ``block_ids``.

@@ -367,3 +367,21 @@ def test_a_key_that_is_not_bytes_is_refused_before_anything_changes(keys: list[o
     with pytest.raises(InvalidKeyError, match="offload keys must be bytes"):
         manager.prepare_store(keys)  # type: ignore[arg-type]
     assert manager.statistics() == before
+
+
+@pytest.mark.parametrize("first", [["x"], {"a": 1}])
+def test_an_iterator_holding_an_unhashable_key_is_refused_whole(first: object) -> None:
+    manager = CPUOffloadingManager(4, "lru")
+    for order in ([first, k(1)], [k(1), first]):
+        with pytest.raises(InvalidKeyError, match="offload keys must be bytes"):
+            manager.prepare_store(iter(order))  # type: ignore[arg-type]
+        assert manager.statistics().used == 0
+
+
+@pytest.mark.parametrize("key", ["abc", 1, None])
+def test_loads_and_unpins_of_a_key_that_is_not_bytes_are_refused(key: object) -> None:
+    manager = CPUOffloadingManager(4, "lru")
+    with pytest.raises(InvalidKeyError, match="offload keys must be bytes"):
+        manager.prepare_load([key])  # type: ignore[list-item]
+    with pytest.raises(InvalidKeyError, match="offload keys must be bytes"):
+        manager.complete_load([key])  # type: ignore[list-item]

@@ -228,20 +228,35 @@ async def test_a_full_redis_refusing_writes_backs_off_its_writes_and_reads_go_on
         assert s.last_refusal is not None
         assert "OutOfMemoryError" in s.last_refusal
 
-        # Backing off: the next write is dropped without I/O, and counted so.
+        # Backing off: the next writes are dropped without I/O, and counted so;
+        # each is still a checkpoint (another task gets its turns).
         sets = int(raw.info("commandstats").get("cmdstat_set", {}).get("calls", 0))
-        assert await tier.write(items(keys[2:4], rows[2:4])) == 0
+        turns = 0
+
+        async def count() -> None:
+            nonlocal turns
+            while True:
+                turns += 1
+                await anyio.sleep(0)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(count)
+            await anyio.sleep(0)
+            start = turns
+            for _ in range(10):
+                assert await tier.write(items(keys[2:4], rows[2:4])) == 0
+            assert turns - start >= 5
+            tg.cancel_scope.cancel()
         assert int(raw.info("commandstats")["cmdstat_set"]["calls"]) == sets
         s = tier.statistics()
-        assert s.write_errors_by_reason["backing off"] == 2
+        assert s.write_errors_by_reason["backing off"] == 20
         # Lookups and reads still reach the server.
         buffers = chunks.buffers(2)
         assert await tier.contains(keys[:2]) == [True, True]
         assert await tier.read(items(keys[:2], buffers)) == [True, True]
         assert all(np.array_equal(r, b) for r, b in zip(rows[:2], buffers, strict=True))
 
-        raw.config_set("maxmemory", 0)  # room again: a probe write finds it
-        with anyio.fail_after(20):
-            while await tier.write(items(keys[2:4], rows[2:4])) != 2:
-                await anyio.sleep(0.01)
+        raw.config_set("maxmemory", 0)  # room again: the next probe write finds it
+        tier._write_gate.retry_at = 0.0  # the retry time has come (no waiting on a clock)
+        assert await tier.write(items(keys[2:4], rows[2:4])) == 2
         assert tier.statistics().write_state == "up"

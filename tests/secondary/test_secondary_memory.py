@@ -190,3 +190,23 @@ async def test_misuse_raises(namespace: RemoteNamespace, chunks: Any) -> None:
         await tier.contains(keys)
     with pytest.raises(ConfigError):
         MemoryTier(namespace, timeout_s=0)
+
+
+async def test_every_chunk_not_written_is_counted_once_by_reason(
+    namespace: RemoteNamespace, chunks: Any
+) -> None:
+    keys, rows = chunks.keys(3), chunks.rows(3)
+    async with MemoryTier(namespace, timeout_s=5.0) as tier:
+        tier.pause()
+        with anyio.CancelScope() as scope:  # the caller gives up on a hung store
+            scope.cancel()
+            await tier.write(items(keys, rows))
+        tier.resume()
+        tier.fail_next(1, "injected")
+        assert await tier.write(items(keys[:2], rows[:2])) == 0
+        tier.set_available(False)
+        assert await tier.write(items(keys[:1], rows[:1])) == 0
+        s = tier.statistics()
+        assert s.write_errors_by_reason == {"cancelled": 3, "failed": 2, "down": 1}
+        assert s.write_errors_total == sum(s.write_errors_by_reason.values())
+        assert (s.errors_total, s.refused_total) == (1, 0)  # the injected failure, once

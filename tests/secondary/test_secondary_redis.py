@@ -121,8 +121,11 @@ async def test_rediss_to_a_plain_server_and_redis_to_a_tls_port_say_which_is_wro
     [
         ("redis://", "names no host"),
         ("redis://:6380/0", "names no host"),
-        ("redis://127.0.0.1:99999", "port out of range; give a port from 1 to 65535"),
+        ("redis://127.0.0.1:99999", "port out of range or not a number; give a port from 1"),
         ("redis://127.0.0.1:0/0", "port out of range"),
+        ("redis://127.0.0.1:abc/0", "not a number"),
+        ("redis://[::1", "is not a valid URL"),
+        ("redis://u:secret@[::1/0", "is not a valid URL"),
         ("redis://127.0.0.1:6380/abc", "names database 'abc'; a Redis database is a number"),
         ("rediss://u:secret@127.0.0.1:6380/x1", "names database 'x1'"),
     ],

@@ -271,8 +271,9 @@ class CPUOffloadingManager:
         chunks = self._chunks
         slots = []
         for key in keys:
-            chunk = chunks.get(key)
+            chunk = chunks.get(key) if isinstance(key, bytes) else None
             if chunk is None:
+                _check_key(key)
                 raise UnknownKeyError(f"cannot load chunk {key.hex()}: it is not in the tier")
             if chunk.pins == _WRITING:
                 raise ChunkStateError(
@@ -314,6 +315,9 @@ class CPUOffloadingManager:
             keys = held
         else:
             keys = tuple(keys)
+            for key in keys:
+                if not isinstance(key, bytes):
+                    _check_key(key)
         chunks = self._chunks
         get = chunks.get
         if len(set(keys)) == len(keys) and all(
@@ -327,6 +331,7 @@ class CPUOffloadingManager:
         for key, count in need.items():
             chunk = chunks.get(key)
             if chunk is None:
+                _check_key(key)
                 raise UnknownKeyError(f"cannot unpin chunk {key.hex()}: it is not in the tier")
             if chunk.pins < count:
                 if chunk.pins == _WRITING:
@@ -367,12 +372,13 @@ class CPUOffloadingManager:
         sets counts its own final refusal with `count_allocation_failure`).
         """
         chunks = self._chunks
+        keys = tuple(keys)  # an iterator is walked once, whatever refuses it
         try:
             offered = dict.fromkeys(keys)
-        except TypeError:  # an unhashable key
-            offered = {}
+        except TypeError:  # an unhashable key: never a key
             for key in keys:
                 _check_key(key)
+            raise  # pragma: no cover - some key above is refused
         new_keys = [key for key in offered if key not in chunks]
         for key in new_keys:  # keys already held were checked when they came in
             if type(key) is not bytes:

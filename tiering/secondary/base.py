@@ -74,8 +74,9 @@ class SecondaryStatistics(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     (they add up): ``down`` (answered without I/O while the tier was down),
     ``backing off`` (without I/O, the store having refused writes just before),
     ``busy``, ``timeout``, ``failed`` (the call failed: connection lost,
-    protocol error), or ``refused <CODE>`` (the store refused that chunk:
-    ``refused OOM`` from a full Redis with ``noeviction``).
+    protocol error), ``cancelled`` (the caller gave up), or ``refused <CODE>``
+    (the store refused that chunk: ``refused OOM`` from a full Redis with
+    ``noeviction``).
 
     Each thing is counted once, in one place: ``errors_total`` counts failed
     calls (the store unreachable, a timeout, a protocol error), never a
@@ -128,6 +129,7 @@ UNWRITTEN_BACKING_OFF = "backing off"
 UNWRITTEN_BUSY = "busy"
 UNWRITTEN_TIMEOUT = "timeout"
 UNWRITTEN_FAILED = "failed"
+UNWRITTEN_CANCELLED = "cancelled"
 
 
 class TierCounters:

@@ -20,6 +20,7 @@ import anyio.lowlevel
 from tiering._types import Medium, OffloadKey
 from tiering.errors import ConfigError, ResourceClosedError
 from tiering.secondary.base import (
+    UNWRITTEN_CANCELLED,
     UNWRITTEN_DOWN,
     UNWRITTEN_FAILED,
     UNWRITTEN_TIMEOUT,
@@ -164,7 +165,11 @@ class MemoryTier(SecondaryTier):
         values = [(self.codec.remote_key(k), self.codec.encode(k, row)) for k, row in items]
         c = self._counters
         c.write_calls += 1
-        cause = await self._unreachable()
+        try:
+            cause = await self._unreachable()
+        except BaseException:  # cancelled: none of them written, and each counted so
+            c.written(0, len(values), self.row_bytes, cause=UNWRITTEN_CANCELLED)
+            raise
         if cause is not None:
             return c.written(0, len(values), self.row_bytes, cause=cause)
         for remote_key, value in values:

@@ -52,6 +52,7 @@ from tiering.errors import ConfigError, ResourceClosedError
 from tiering.secondary.base import (
     UNWRITTEN_BACKING_OFF,
     UNWRITTEN_BUSY,
+    UNWRITTEN_CANCELLED,
     UNWRITTEN_DOWN,
     UNWRITTEN_FAILED,
     UNWRITTEN_TIMEOUT,
@@ -83,7 +84,11 @@ _FALSE = ("0", "no", "false", "off")
 
 def redact_url(url: str) -> str:
     """``url`` without its password (nor its query, which may hold one)."""
-    parts = urllib.parse.urlsplit(url)
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:  # not a URL at all: keep the scheme and the host, never a password
+        scheme, _, rest = url.partition("://")
+        return f"{scheme}://{rest.rpartition('@')[2].partition('?')[0]}"
     host = parts.netloc.rpartition("@")[2]
     user = f"{parts.username}@" if parts.username else ""
     return urllib.parse.urlunsplit((parts.scheme, user + host, parts.path, "", ""))
@@ -91,7 +96,13 @@ def redact_url(url: str) -> str:
 
 def _split_cluster_option(url: str, cluster: bool | None) -> tuple[str, bool | None]:
     """Take the ``cluster=yes|no|auto`` query option (ours, not redis-py's) out of ``url``."""
-    parts = urllib.parse.urlsplit(url)
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError as exc:
+        raise ConfigError(
+            f"the Redis tier URL {redact_url(url)!r} is not a valid URL ({exc}); give "
+            "redis://[user[:password]@]host[:port][/db]"
+        ) from None
     if parts.scheme not in _SCHEMES:
         raise ConfigError(
             f"a Redis tier URL must start with redis:// or rediss://, got {redact_url(url)!r}"
@@ -129,7 +140,8 @@ def _check_address(parts: urllib.parse.SplitResult, url: str) -> None:
         port = -1
     if port is not None and not 1 <= port <= 65535:
         raise ConfigError(
-            f"the Redis tier URL {shown!r} has a port out of range; give a port from 1 to 65535"
+            f"the Redis tier URL {shown!r} has a port out of range or not a number; give a "
+            "port from 1 to 65535"
         )
     db = parts.path.lstrip("/")
     if db and not db.isdigit():
@@ -285,7 +297,11 @@ class RedisTier(SecondaryTier):
         if not rows:
             await anyio.lowlevel.checkpoint()
             return 0
-        answer, cause = await self._run(self._wire.write, rows, write=True)
+        try:
+            answer, cause = await self._run(self._wire.write, rows, write=True)
+        except BaseException:  # cancelled: none of them written, and each counted so
+            c.written(0, len(rows), self.row_bytes, cause=UNWRITTEN_CANCELLED)
+            raise
         if answer is None:
             return c.written(0, len(rows), self.row_bytes, cause=cause)
         written = sum(1 for v in answer.values if v)
