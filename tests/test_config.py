@@ -458,6 +458,53 @@ def test_a_misspelled_key_is_refused_in_python_too() -> None:
         msgspec.structs.replace(HYBRID, extra_config={"max_queue_jobs": 8})
 
 
+@pytest.mark.parametrize(
+    ("key", "meant"),
+    [("MAX_QUEUED_JOBS", "max_queued_jobs"), ("Slice_Chunks", "slice_chunks"),
+     ("BLOCKS_PER_CHUNKS", "blocks_per_chunk")],
+)  # fmt: skip
+def test_a_tiering_key_in_another_case_is_refused(key: str, meant: str) -> None:
+    with pytest.raises(ConfigError, match=rf"has key {key!r}, .*did you mean {meant!r}\?"):
+        msgspec.structs.replace(HYBRID, extra_config={key: 8})
+
+
+@pytest.mark.parametrize("key", sorted(TIERING_EXTRA_KEYS))
+@pytest.mark.parametrize(
+    ("bad", "shown"),
+    [(-5, "-5 of type int"), (0, "0 of type int"), ("many", "'many' of type str"),
+     (True, "True of type bool"), (2.0, "2.0 of type float"), (None, "None of type NoneType")],
+)  # fmt: skip
+def test_a_bad_value_of_a_tiering_key_is_refused_when_loading(
+    tmp_path: Path, key: str, bad: Any, shown: str
+) -> None:
+    data = minimal_dict()
+    data["extra_config"] = {key: bad}
+    with pytest.raises(ConfigError) as info:
+        load_config(write_json(tmp_path, data, "values.json"))
+    message = str(info.value)
+    assert "values.json" in message
+    assert f"extra_config[{key!r}] must be a positive integer (" in message
+    assert message.count(f"got {shown}") == 1
+
+
+def test_a_bad_value_of_a_tiering_key_is_refused_in_python_too() -> None:
+    with pytest.raises(
+        ConfigError,
+        match=r"^OffloadingConfig.extra_config\['max_queued_jobs'\] must be a positive integer "
+        r"\(jobs each direction queues before submissions wait\), got -5 of type int$",
+    ):
+        msgspec.structs.replace(HYBRID, extra_config={"max_queued_jobs": -5})
+
+
+def test_blocks_per_chunk_may_be_an_integer_string_as_vllm_allows() -> None:
+    config = msgspec.structs.replace(HYBRID, extra_config={"blocks_per_chunk": "4"})
+    assert config.extra_config == {"blocks_per_chunk": "4"}
+    with pytest.raises(ConfigError, match=r"\['blocks_per_chunk'\] must be a positive integer"):
+        msgspec.structs.replace(HYBRID, extra_config={"blocks_per_chunk": "0"})
+    with pytest.raises(ConfigError, match=r"\['max_queued_jobs'\] must be a positive integer"):
+        msgspec.structs.replace(HYBRID, extra_config={"max_queued_jobs": "4"})  # as the engine
+
+
 # --- dtypes -------------------------------------------------------------------------------
 
 

@@ -52,6 +52,15 @@ def test_other_hashes_are_refused(bad: Any, shown: str) -> None:
         make_offload_key(bad)
 
 
+@pytest.mark.parametrize(
+    ("bad", "shown"), [(np.array([5]), r"array\(\[5\]\)"), (np.array([1, 2]), r"array\(\[1, 2\]\)")]
+)
+def test_an_array_hash_is_refused_as_a_key_error(bad: Any, shown: str) -> None:
+    # An array has __index__ (numpy's TypeError for more than one element): not a hash.
+    with pytest.raises(InvalidKeyError, match=rf"or an int in \[0, 2\*\*64\), got {shown} of type"):
+        make_offload_key(bad)
+
+
 @pytest.mark.parametrize("bad", [-1, 2**64, 10**30])
 def test_an_int_hash_outside_64_bits_is_refused(bad: int) -> None:
     with pytest.raises(InvalidKeyError, match=rf"in \[0, 2\*\*64\).*got {bad}; pass a larger"):
@@ -63,10 +72,19 @@ def test_an_empty_hash_is_refused() -> None:
         make_offload_key(b"")
 
 
-@pytest.mark.parametrize("bad", [-1, 2**32, True, "0", 1.0])
+@pytest.mark.parametrize(
+    "bad", [-1, 2**32, True, "0", 1.0, np.True_, np.int64(-1), np.uint64(2**32), np.array([1])]
+)
 def test_a_bad_group_index_is_refused(bad: Any) -> None:
     with pytest.raises(InvalidKeyError, match=r"group_idx must be .*in \[0, 2\*\*32\)"):
         make_offload_key(b"h" * 8, bad)
+
+
+@pytest.mark.parametrize("group", [np.int64(3), np.uint32(3), np.int8(3)])
+def test_a_numpy_group_index_is_taken_as_its_int(group: Any) -> None:
+    # As numpy's integers are taken for hashes.
+    assert make_offload_key(b"h" * 8, group) == make_offload_key(b"h" * 8, 3)
+    assert type(make_offload_key(np.uint64(7), group)) is bytes
 
 
 def test_the_error_is_a_type_error_and_a_spec_error() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import numbers
 import operator
 from typing import NewType, SupportsIndex
 
@@ -27,7 +28,7 @@ _INT_HASH_BYTES = 8
 
 
 def make_offload_key(
-    block_hash: bytes | bytearray | memoryview | SupportsIndex, group_idx: int = 0
+    block_hash: bytes | bytearray | memoryview | SupportsIndex, group_idx: SupportsIndex = 0
 ) -> OffloadKey:
     """Key of the chunk whose last hash-block has ``block_hash``, in group ``group_idx``.
 
@@ -36,15 +37,19 @@ def make_offload_key(
     becomes its 8 big-endian bytes: the form vLLM's integer block hashes (KV
     events with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``) and traces' hash ids
     take, so ``make_offload_key(h)`` and ``make_offload_key(h.to_bytes(8, "big"))``
-    are the same key. Anything else (a str, a float, None, a bool, a negative
-    or too large int) is an `InvalidKeyError`.
+    are the same key. ``group_idx`` is an integer in ``[0, 2**32)``; numpy's
+    integers do for both. Anything else (a str, a float, None, a bool, an array,
+    a negative or too large int) is an `InvalidKeyError`.
     """
     if isinstance(block_hash, bytes):
         digest = block_hash
     elif isinstance(block_hash, (bytearray, memoryview)):
         digest = bytes(block_hash)
     elif hasattr(type(block_hash), "__index__") and not isinstance(block_hash, bool):
-        value = operator.index(block_hash)  # an int, or numpy's integers
+        try:
+            value = operator.index(block_hash)  # an int, or numpy's integers
+        except TypeError:  # an array of more than one element has __index__ but refuses it
+            raise _not_a_hash(block_hash) from None
         if not 0 <= value < 1 << (8 * _INT_HASH_BYTES):
             raise InvalidKeyError(
                 f"an integer block hash must be in [0, 2**64) (vLLM's 64-bit hashes), got "
@@ -52,20 +57,25 @@ def make_offload_key(
             )
         digest = value.to_bytes(_INT_HASH_BYTES, "big")
     else:
-        raise InvalidKeyError(
-            f"a block hash must be bytes (bytes, bytearray, memoryview) or an int in "
-            f"[0, 2**64), got {_shown(block_hash)} of type {type(block_hash).__name__}"
-        )
+        raise _not_a_hash(block_hash)
     if not digest:
         raise InvalidKeyError("a block hash must not be empty, got b''")
-    if isinstance(group_idx, bool) or not isinstance(group_idx, int):
+    if isinstance(group_idx, bool) or not isinstance(group_idx, numbers.Integral):
         raise InvalidKeyError(
-            f"group_idx must be an int in [0, 2**32), got {group_idx!r} "
+            f"group_idx must be an int in [0, 2**32), got {_shown(group_idx)} "
             f"of type {type(group_idx).__name__}"
         )
-    if not 0 <= group_idx < 1 << (8 * _GROUP_BYTES):
-        raise InvalidKeyError(f"group_idx must be in [0, 2**32), got {group_idx}")
-    return OffloadKey(digest + group_idx.to_bytes(_GROUP_BYTES, "big"))
+    group = int(group_idx)  # an int, or numpy's integers
+    if not 0 <= group < 1 << (8 * _GROUP_BYTES):
+        raise InvalidKeyError(f"group_idx must be in [0, 2**32), got {group}")
+    return OffloadKey(digest + group.to_bytes(_GROUP_BYTES, "big"))
+
+
+def _not_a_hash(value: object) -> InvalidKeyError:
+    return InvalidKeyError(
+        f"a block hash must be bytes (bytes, bytearray, memoryview) or an int in "
+        f"[0, 2**64), got {_shown(value)} of type {type(value).__name__}"
+    )
 
 
 def _shown(value: object) -> str:

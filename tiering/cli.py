@@ -540,8 +540,14 @@ def _run_events(args: argparse.Namespace) -> None:
 
     import anyio
 
+    from tiering.events.config import check_endpoint
     from tiering.events.tool import print_events  # pyzmq: only when used
 
+    # As the replay's --events-endpoint: ZeroMQ would bind port 99999 as 34463,
+    # and retry a connect to it (or to port 0) for ever.
+    check_endpoint("endpoint", args.endpoint)
+    if args.replay_endpoint is not None:
+        check_endpoint("--replay-endpoint", args.replay_endpoint)
     timeout = args.timeout
     if timeout is None:
         watched = sys.stdout.isatty() or sys.stderr.isatty()

@@ -18,13 +18,16 @@ names the field and the value.
 KV-cache dtypes (`VLLM_CACHE_DTYPES`). ``extra_config`` is vLLM's
 ``kv_connector_extra_config``, shared with vLLM and other backends, so a key
 tiering does not read is passed through; but a key that is not one of
-tiering's own (`TIERING_EXTRA_KEYS`) and is close to one (``max_queud_jobs``)
-is refused as a misspelling, naming the key meant.
+tiering's own (`TIERING_EXTRA_KEYS`) and is close to one, whatever its case
+(``max_queud_jobs``, ``MAX_QUEUED_JOBS``), is refused as a misspelling, naming
+the key meant, and the value of one of tiering's own keys must be a positive
+integer (not a bool) when the config is built, not only when an engine is.
 """
 
 from __future__ import annotations
 
 import codecs
+import contextlib
 import difflib
 import os
 import re
@@ -137,12 +140,50 @@ def _check_dtype(owner: str, dtype: str) -> None:
     raise ConfigError(f"{owner}.dtype={dtype!r} is not a dtype torch or vLLM knows; {hint}")
 
 
+#: What each of `TIERING_EXTRA_KEYS` counts, for the message that refuses a bad value.
+_EXTRA_MEANINGS: Mapping[str, str] = MappingProxyType(
+    {
+        "max_queued_jobs": "jobs each direction queues before submissions wait",
+        "max_inflight_bytes": "bytes each direction hands the transfer backend at once",
+        "slice_chunks": "chunks in one load slice",
+        "max_load_slices": "load slices at the transfer backend at once",
+        "blocks_per_chunk": "GPU blocks coalesced into a chunk",
+    }
+)
+
+
+def _check_extra_values(owner: str, extra: Mapping[str, Any]) -> None:
+    """Refuse a value of one of `TIERING_EXTRA_KEYS` that is not a positive integer.
+
+    ``blocks_per_chunk`` may be an integer string, as vLLM's extra config allows
+    (`tiering.integrations.vllm` reads it so).
+    """
+    for key, meaning in _EXTRA_MEANINGS.items():
+        if key not in extra:
+            continue
+        value = extra[key]
+        number = value
+        if key == "blocks_per_chunk" and isinstance(value, str):
+            with contextlib.suppress(ValueError):  # not an integer: refused below
+                number = int(value.strip())
+        if isinstance(number, bool) or not isinstance(number, int) or number < 1:
+            raise ConfigError(
+                f"{owner}.extra_config[{key!r}] must be a positive integer ({meaning}), "
+                f"got {value!r} of type {type(value).__name__}"
+            )
+
+
 def _check_extra_keys(owner: str, extra: Mapping[str, Any]) -> None:
-    """Refuse a key that looks like a misspelling of one of `TIERING_EXTRA_KEYS`."""
+    """Refuse a key that looks like a misspelling of one of `TIERING_EXTRA_KEYS`.
+
+    Case does not count: ``MAX_QUEUED_JOBS`` is taken for ``max_queued_jobs``.
+    """
     for key in extra:
         if key in TIERING_EXTRA_KEYS or key in SHARED_EXTRA_KEYS:
             continue
-        meant = difflib.get_close_matches(key, sorted(TIERING_EXTRA_KEYS), n=1, cutoff=_MISSPELLING)
+        meant = difflib.get_close_matches(
+            key.lower(), sorted(TIERING_EXTRA_KEYS), n=1, cutoff=_MISSPELLING
+        )
         if meant:
             raise ConfigError(
                 f"{owner}.extra_config has key {key!r}, which tiering does not read; did you "
@@ -353,6 +394,7 @@ class OffloadingConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
                 f"{owner}.extra_config must be a mapping with string keys, got {extra!r}"
             )
         _check_extra_keys(owner, extra)
+        _check_extra_values(owner, extra)
         _check_text(owner, "engine_id", self.engine_id)
         for name, kind in (
             ("model", OffloadingModelConfig),

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import anyio
 import pytest
@@ -199,3 +201,49 @@ async def test_sinks_are_closed_even_when_closing_is_cancelled() -> None:
         await bus.aclose()
     assert sink.closed == 1
     assert bus.state is BusState.CLOSED
+
+
+async def turns_during(step: Callable[[], Awaitable[Any]], calls: int) -> int:
+    """How many turns a counting task got while ``step()`` was awaited ``calls`` times."""
+    turns = 0
+    done = False
+
+    async def count() -> None:
+        nonlocal turns
+        while not done:
+            turns += 1
+            await anyio.sleep(0)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(count)
+        await anyio.sleep(0)  # let the counter start
+        start = turns
+        for _ in range(calls):
+            await step()
+        counted = turns - start
+        done = True
+    return counted
+
+
+@pytest.mark.parametrize("with_sink", [False, True])
+async def test_closing_a_bus_is_a_checkpoint(with_sink: bool) -> None:
+    """Trio's rule: each first close yields, even of a bus with nothing to close."""
+    calls = 40
+    buses = [EventBus(sinks=[RecordingSink()] if with_sink else []) for _ in range(calls)]
+    closing = iter(buses)
+    counted = await turns_during(lambda: next(closing).aclose(), calls)
+    assert all(bus.state is BusState.CLOSED for bus in buses)
+    # One turn per close on asyncio, at least one per two on trio (random order); none
+    # without a checkpoint.
+    assert counted >= calls // 2, f"the counting task got {counted} turns in {calls} closes"
+
+
+async def test_a_bus_without_sinks_is_closed_even_when_closing_is_cancelled() -> None:
+    bus = EventBus()
+    subscription = bus.subscribe()
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await bus.aclose()
+    assert scope.cancelled_caught  # a cancellation point, after the close
+    assert bus.state is BusState.CLOSED
+    assert [item async for item in subscription] == []

@@ -72,6 +72,34 @@ def test_events_waits_a_few_seconds_on_a_terminal_and_longer_in_a_script(
     assert f" in {wait} s: " in error
 
 
+@pytest.mark.parametrize(
+    ("flags", "named", "bad"),
+    [
+        # ZeroMQ would bind port 99999 as 34463, and retry a connect to it or to 0 for ever.
+        (["tcp://*:99999"], "endpoint", "tcp://*:99999"),
+        (["tcp://127.0.0.1:99999"], "endpoint", "tcp://127.0.0.1:99999"),
+        (["tcp://127.0.0.1:0"], "endpoint", "tcp://127.0.0.1:0"),
+        (["tcp://:5557"], "endpoint", "tcp://:5557"),
+        (
+            ["tcp://127.0.0.1:5557", "--replay-endpoint", "tcp://127.0.0.1:99999"],
+            "--replay-endpoint",
+            "tcp://127.0.0.1:99999",
+        ),
+    ],
+)
+def test_events_refuses_the_endpoints_the_replay_refuses(
+    flags: list[str], named: str, bad: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (line,) = fails(["events", *flags, "--timeout", "0.1"], capsys)
+    assert line == (
+        f"tiering: error: {named} must be tcp://HOST:PORT with a port in 1-65535, or '*' for a "
+        f"free one (e.g. 'tcp://*:5557', 'tcp://127.0.0.1:*'), got {bad!r}"
+    )
+    (replay_line,) = fails(["replay", "--workload", "chat", "--requests", "3",
+                            "--events-endpoint", bad], capsys)  # fmt: skip
+    assert replay_line.endswith(f"got {bad!r}")
+
+
 @pytest.fixture
 def listening_port() -> Iterator[int]:
     """A loopback port another program listens on."""

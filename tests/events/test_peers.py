@@ -15,8 +15,10 @@ from collections.abc import Iterator
 
 import anyio
 import pytest
+import zmq
 
 from tiering.events import BlockRemoved, KVEventBatch, KVEventsConfig, ZmqSubscriber
+from tiering.events import publisher as publisher_module
 from tiering.events.publisher import ZmqEventPublisher
 
 pytestmark = pytest.mark.anyio
@@ -81,6 +83,31 @@ def closing_server() -> Iterator[int]:
     assert not thread.is_alive()
 
 
+@pytest.fixture
+def silent_server() -> Iterator[int]:
+    """A port where a program that does not speak ZeroMQ accepts and then says nothing."""
+    server = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:  # closed: the test is over
+                return
+            accepted.append(conn)  # held open, silent
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield server.getsockname()[1]
+    server.shutdown(socket.SHUT_RDWR)  # wakes the accept (close alone does not)
+    server.close()
+    thread.join(10)
+    assert not thread.is_alive()
+    for conn in accepted:
+        conn.close()
+
+
 def publisher(endpoint: str) -> ZmqEventPublisher:
     return ZmqEventPublisher(KVEventsConfig(endpoint=endpoint), close_timeout=0)
 
@@ -131,6 +158,33 @@ def test_a_publisher_connected_to_another_program_warns(
     finally:
         pub.close()
     assert "is not a ZeroMQ subscriber" in message
+
+
+def test_a_publisher_connected_to_a_silent_program_warns_once_its_handshake_times_out(
+    records: Records, silent_server: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ZeroMQ's own handshake timeout is 30 s; the publisher's is a few seconds."""
+    assert publisher_module._HANDSHAKE_IVL_MS == 3_000
+    monkeypatch.setattr(publisher_module, "_HANDSHAKE_IVL_MS", 50)  # the test's, shortened
+    pub = publisher(f"tcp://127.0.0.1:{silent_server}")
+    try:
+        message = records.wait(logging.WARNING)  # well before ZeroMQ's default would tell
+    finally:
+        pub.close()
+    assert f"connects to tcp://127.0.0.1:{silent_server}" in message
+    assert "is not a ZeroMQ subscriber (no ZeroMQ handshake)" in message
+    assert len(records.at(logging.WARNING)) == 1
+
+
+def test_only_a_connecting_publisher_shortens_the_handshake(refused_port: int) -> None:
+    bound = publisher("tcp://127.0.0.1:*")
+    connecting = publisher(f"tcp://127.0.0.1:{refused_port}")
+    try:
+        assert bound._pub.getsockopt(zmq.HANDSHAKE_IVL) == 30_000  # ZeroMQ's default
+        assert connecting._pub.getsockopt(zmq.HANDSHAKE_IVL) == 3_000
+    finally:
+        bound.close()
+        connecting.close()
 
 
 async def test_a_publisher_that_connects_meets_a_subscriber_that_binds(records: Records) -> None:

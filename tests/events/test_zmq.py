@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from tiering.events import (
     ZmqSubscriber,
 )
 from tiering.events.publisher import END_SEQ, PublisherState, ZmqEventPublisher, should_bind
+from tiering.events.subscriber import SubscriberState
 
 pytestmark = pytest.mark.anyio
 
@@ -373,10 +375,14 @@ def test_bind_rule_and_unusable_endpoints() -> None:
 
 
 async def test_subscriber_settings_are_checked() -> None:
-    with pytest.raises(ConfigError, match="cannot subscribe to endpoint 'nowhere'"):
+    with pytest.raises(ConfigError, match=r"^ZmqSubscriber endpoint must be a ZeroMQ endpoint "):
         ZmqSubscriber("nowhere")
-    with pytest.raises(ConfigError, match="cannot connect to replay endpoint 'nowhere'"):
+    with pytest.raises(ConfigError, match=r"^ZmqSubscriber replay_endpoint must be a ZeroMQ "):
         ZmqSubscriber("tcp://127.0.0.1:1", "nowhere")
+    with pytest.raises(
+        ConfigError, match=r"cannot connect to replay endpoint 'tcp://127\.0\.0\.1:"
+    ):
+        ZmqSubscriber("tcp://127.0.0.1:1", "tcp://127.0.0.1:*")  # zmq's: no connect to a '*'
     with pytest.raises(ConfigError, match=r"cannot resolve host 'no-such-host\.invalid'"):
         ZmqSubscriber("tcp://no-such-host.invalid:1")
     for numeric in ("tcp://[::1]:1", "tcp://127.0.0.1:1", "tcp://localhost:1"):
@@ -387,3 +393,52 @@ async def test_subscriber_settings_are_checked() -> None:
         ZmqSubscriber("tcp://127.0.0.1:1", idle_replay=0)
     with pytest.raises(ConfigError, match="replay_timeout"):
         ZmqSubscriber("tcp://127.0.0.1:1", replay_timeout=0)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "replay_endpoint"),
+    [
+        # ZeroMQ would bind port 99999 as 34463, and retry a connect to it or to 0 for ever.
+        ("tcp://*:99999", None),
+        ("tcp://127.0.0.1:99999", None),
+        ("tcp://127.0.0.1:0", None),
+        ("tcp://:5557", None),
+        ("tcp://127.0.0.1:5557", "tcp://127.0.0.1:99999"),
+    ],
+)
+def test_subscriber_refuses_the_tcp_endpoints_the_publisher_refuses(
+    endpoint: str, replay_endpoint: str | None
+) -> None:
+    field, bad = ("replay_endpoint", replay_endpoint) if replay_endpoint else ("endpoint", endpoint)
+    with pytest.raises(ConfigError) as publisher_info:
+        KVEventsConfig(endpoint=endpoint, replay_endpoint=replay_endpoint)
+    with pytest.raises(ConfigError) as subscriber_info:
+        ZmqSubscriber(endpoint, replay_endpoint)
+    rule = "must be tcp://HOST:PORT with a port in 1-65535, or '*' for a free one"
+    assert str(subscriber_info.value).startswith(f"ZmqSubscriber {field} {rule}")
+    assert str(subscriber_info.value).endswith(f"got {bad!r}")
+    # The same check, in the same words, as the publisher's.
+    assert str(publisher_info.value) == str(subscriber_info.value).replace(
+        f"ZmqSubscriber {field}", f"KVEventsConfig.{field}"
+    )
+
+
+async def test_a_subscriber_entered_when_cancelled_is_closed() -> None:
+    """Its sockets are open from the constructor: a cancel at the checkpoint of
+    ``__aenter__`` must close them, as no ``__aexit__`` will run."""
+    subscriber = ZmqSubscriber("tcp://127.0.0.1:*", "tcp://127.0.0.1:1")
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        async with subscriber:
+            pytest.fail("the body of a cancelled enter ran")
+    assert scope.cancelled_caught
+    assert subscriber.state is SubscriberState.CLOSED
+    assert re.match(r"<ZmqSubscriber \[closed; ", repr(subscriber))
+    assert subscriber._sub.closed
+    assert subscriber._dealer is not None
+    assert subscriber._dealer.closed
+    assert subscriber._peers is None  # the monitor too
+    await subscriber.aclose()  # idempotent
+    with pytest.raises(ResourceClosedError):
+        async with subscriber:
+            pass

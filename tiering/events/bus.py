@@ -258,7 +258,10 @@ class EventBus(AsyncResource):
         )
 
     async def aclose(self) -> None:
-        """End every subscription (after its buffered batches) and close the sinks. Idempotent."""
+        """End every subscription (after its buffered batches) and close the sinks.
+
+        Idempotent; always a checkpoint, and closed even when cancelled.
+        """
         if self._state is not BusState.OPEN:
             await anyio.lowlevel.checkpoint()
             return
@@ -273,6 +276,7 @@ class EventBus(AsyncResource):
                     await anyio.to_thread.run_sync(sink.close)
         finally:
             self._state = BusState.CLOSED
+        await anyio.lowlevel.checkpoint()  # without sinks nothing above yields; closed first
 
     def __repr__(self) -> str:
         return (

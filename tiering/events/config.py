@@ -18,7 +18,14 @@ import msgspec
 
 from tiering.errors import ConfigError
 
-__all__ = ["ZMQ_TRANSPORTS", "HashFormat", "KVEventsConfig", "tcp_address", "wildcard_of"]
+__all__ = [
+    "ZMQ_TRANSPORTS",
+    "HashFormat",
+    "KVEventsConfig",
+    "check_endpoint",
+    "tcp_address",
+    "wildcard_of",
+]
 
 #: ZeroMQ transports an endpoint may name (``<transport>://<address>``).
 ZMQ_TRANSPORTS: tuple[str, ...] = ("tcp", "ipc", "inproc", "pgm", "epgm", "ws", "wss", "vmci")
@@ -52,12 +59,18 @@ def wildcard_of(endpoint: str) -> str | None:
     return None if address is None or not address[1] else f"tcp://*:{address[1]}"
 
 
-def _check_endpoint(name: str, value: object) -> None:
+def check_endpoint(where: str, value: object) -> None:
+    """Raise a `ConfigError` naming ``where`` unless ``value`` is a usable ZeroMQ endpoint.
+
+    A known transport and an address; for ``tcp://``, ``host:port`` with a
+    host and a port in 1-65535 or ``*``. ZeroMQ itself binds ``99999`` as
+    ``99999 % 65536`` and retries a connect to it (or to port 0) for ever.
+    """
     endpoint = value if isinstance(value, str) else ""
     transport, sep, address = endpoint.partition("://")
     if not sep or not address or transport not in ZMQ_TRANSPORTS:
         raise ConfigError(
-            f"KVEventsConfig.{name} must be a ZeroMQ endpoint such as 'tcp://*:5557' or "
+            f"{where} must be a ZeroMQ endpoint such as 'tcp://*:5557' or "
             f"'ipc:///tmp/kv-events' (transports: {', '.join(ZMQ_TRANSPORTS)}), got {value!r}"
         )
     if transport != "tcp":
@@ -65,7 +78,7 @@ def _check_endpoint(name: str, value: object) -> None:
     host, port = tcp_address(endpoint) or ("", "")
     if not host or not _port_ok(port):
         raise ConfigError(
-            f"KVEventsConfig.{name} must be tcp://HOST:PORT with a port in 1-65535, or '*' "
+            f"{where} must be tcp://HOST:PORT with a port in 1-65535, or '*' "
             f"for a free one (e.g. 'tcp://*:5557', 'tcp://127.0.0.1:*'), got {value!r}"
         )
 
@@ -117,9 +130,9 @@ class KVEventsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     hash_format: HashFormat = HashFormat.INT
 
     def __post_init__(self) -> None:
-        _check_endpoint("endpoint", self.endpoint)
+        check_endpoint("KVEventsConfig.endpoint", self.endpoint)
         if self.replay_endpoint is not None:
-            _check_endpoint("replay_endpoint", self.replay_endpoint)
+            check_endpoint("KVEventsConfig.replay_endpoint", self.replay_endpoint)
             if _same_address(self.endpoint, self.replay_endpoint):
                 raise ConfigError(
                     f"KVEventsConfig.replay_endpoint {self.replay_endpoint!r} names the address "

@@ -31,7 +31,12 @@ too, never meet it. So a connecting publisher watches its socket's connection
 events (`PeerMonitor`, read by the sender thread's poller: no thread, no cost
 per batch) and logs one warning, naming the fix, when the first attempt finds
 nothing listening or a program that is not a ZeroMQ subscriber; it stops
-watching at the first subscriber's handshake.
+watching at the first subscriber's handshake. A program that accepts the TCP
+connection but never speaks ZeroMQ is only found out when the handshake times
+out, after ZeroMQ's default of 30 s; the connecting PUB socket gives it
+`_HANDSHAKE_IVL_MS` (3 s) instead, so the warning comes while a person is
+still looking. A ZeroMQ handshake is one exchange of greetings, milliseconds
+on any network; and a connection dropped for being slow is simply retried.
 """
 
 from __future__ import annotations
@@ -65,6 +70,9 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 _REPLAY_CHECK_EVERY = 64  # batches sent between looks at the replay socket while busy
 _ZERO_COPY_BYTES = 16384  # payloads at least this large are sent without a copy
+#: ``zmq.HANDSHAKE_IVL`` of a connecting PUB socket: how long a peer that accepted the
+#: connection has to complete the ZeroMQ handshake before it is taken for another program.
+_HANDSHAKE_IVL_MS = 3_000
 _wake_ids = itertools.count()
 
 
@@ -140,6 +148,8 @@ class ZmqEventPublisher:
         self._wake_tx: zmq.Socket[bytes] | None = ctx.socket(zmq.PAIR)
         try:
             self._pub.setsockopt(zmq.SNDHWM, config.hwm)
+            if not self._binds:  # before connecting: the setting applies to new connections
+                self._pub.setsockopt(zmq.HANDSHAKE_IVL, _HANDSHAKE_IVL_MS)
             self._endpoint = self._attach(self._pub, "endpoint", config.endpoint)
             self._replay_endpoint: str | None = None
             if config.replay_endpoint is not None:

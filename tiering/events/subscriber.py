@@ -45,6 +45,7 @@ import zmq
 from anyio.abc import AsyncResource
 
 from tiering.errors import ConfigError, ResourceClosedError
+from tiering.events.config import check_endpoint
 from tiering.events.monitor import PeerEvent, PeerMonitor
 from tiering.events.publisher import END_SEQ
 from tiering.events.schema import EventItem, EventSchemaError, Gap, SequencedBatch, decode_batch
@@ -100,7 +101,9 @@ class ZmqSubscriber(AsyncResource):
     ``replay_timeout`` bounds the wait for each replay answer, ``idle_replay``
     the quiet time before asking for batches that may have been lost (None:
     never); ``hwm`` bounds the messages ZeroMQ buffers for this client. Use it
-    as an async context manager, or call `aclose`.
+    as an async context manager, or call `aclose`; entering it cancelled closes
+    it. An endpoint that cannot work (``tcp://`` without a host, a port outside
+    1-65535 or ``*``, a host that does not resolve) raises `ConfigError`.
     """
 
     def __init__(
@@ -125,8 +128,10 @@ class ZmqSubscriber(AsyncResource):
         self._replay_endpoint = replay_endpoint
         self._replay_timeout = replay_timeout
         self._idle_replay = idle_replay
+        check_endpoint("ZmqSubscriber endpoint", endpoint)
         _check_host(endpoint, "subscribe to endpoint")
         if replay_endpoint is not None:
+            check_endpoint("ZmqSubscriber replay_endpoint", replay_endpoint)
             _check_host(replay_endpoint, "connect to replay endpoint")
         self._sub = self._ctx.socket(zmq.SUB)
         self._dealer: zmq.Socket[bytes] | None = None
@@ -356,7 +361,11 @@ class ZmqSubscriber(AsyncResource):
     async def __aenter__(self) -> ZmqSubscriber:
         if self._state is SubscriberState.CLOSED:
             raise ResourceClosedError("the ZMQ subscriber is closed")
-        await anyio.lowlevel.checkpoint()
+        try:
+            await anyio.lowlevel.checkpoint()
+        except BaseException:  # cancelled: the sockets opened in __init__ must not leak
+            self._close_now()
+            raise
         return self
 
     def __repr__(self) -> str:
