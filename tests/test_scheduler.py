@@ -1,0 +1,468 @@
+"""The scheduler: ordering, budgets, load slices, back-pressure, cancellation.
+
+The tests drive a `Scheduler` over a scripted backend that records every slice
+it is handed and completes one only when the test says so, on the event loop
+thread: which slice goes when is then exact, on asyncio and on trio.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import cast
+
+import anyio
+import anyio.lowlevel
+import pytest
+from anyio import wait_all_tasks_blocked
+
+from tiering import make_offload_key
+from tiering._types import OffloadKey
+from tiering.cpu.manager import CPUOffloadingManager, LookupResult
+from tiering.errors import CapacityError, SpecError
+from tiering.scheduler import (
+    JobHandle,
+    JobKind,
+    JobOutcome,
+    Scheduler,
+    SchedulerLimits,
+    chunk_block_ranges,
+    select_chunks,
+)
+from tiering.specs import BlockIDsLoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
+from tiering.transfer.base import CompletionCallback, TransferResult
+
+STORE, LOAD = JobKind.STORE, JobKind.LOAD
+CHUNK = 100  # bytes of one chunk (one block of one group: blocks_per_chunk 1)
+
+
+def keys(*ids: int) -> list[OffloadKey]:
+    return [make_offload_key(i) for i in ids]
+
+
+def spec(block_ids: Sequence[int]) -> GPULoadStoreSpec:
+    return GPULoadStoreSpec(list(block_ids))
+
+
+class ScriptedBackend:
+    """Records every slice handed to it; completes one only when `finish` names it.
+
+    ``capacity`` bounds the slices it holds (past it `submit` raises
+    `CapacityError`, as a full backend does); ``refuse`` makes `submit` raise
+    a `SpecError` for the slices it picks. Once ``auto`` is set, every slice
+    completes as soon as it is handed over (for closing).
+    """
+
+    name = "scripted"
+
+    def __init__(
+        self,
+        on_complete: CompletionCallback,
+        *,
+        capacity: int | None = None,
+        refuse: Callable[[list[int]], bool] | None = None,
+    ) -> None:
+        self._on_complete = on_complete
+        self.capacity = capacity
+        self.refuse = refuse
+        self.auto = False
+        self.log: list[tuple[JobKind, list[int], list[int]]] = []  # kind, GPU ids, CPU ids
+        self.running: dict[int, JobKind] = {}
+        self.order: list[int] = []  # backend job ids, in submission order
+
+    def submit(self, job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec) -> None:
+        store = isinstance(src, GPULoadStoreSpec)
+        gpu, cpu = cast(tuple[BlockIDsLoadStoreSpec, ...], (src, dst) if store else (dst, src))
+        if self.refuse is not None and self.refuse(gpu.block_ids.tolist()):
+            raise SpecError("the scripted backend refuses this spec")
+        if self.capacity is not None and len(self.running) >= self.capacity:
+            raise CapacityError("the scripted backend is full")
+        kind = STORE if store else LOAD
+        self.log.append((kind, gpu.block_ids.tolist(), cpu.block_ids.tolist()))
+        self.running[job_id] = kind
+        self.order.append(job_id)
+        if self.auto:
+            self.finish(job_id)
+
+    def finish(self, *job_ids: int, success: bool = True, error: str | None = None) -> None:
+        for job_id in job_ids:
+            kind = self.running.pop(job_id)
+            self._on_complete(
+                TransferResult(
+                    job_id=job_id,
+                    success=success,
+                    direction=kind,
+                    nbytes=0,
+                    seconds=0.0,
+                    error=None if success else (error or "failed"),
+                )
+            )
+
+    def finish_nth(self, n: int, **kwargs: object) -> None:
+        """Complete the ``n``-th slice handed over (0-based)."""
+        self.finish(self.order[n], **kwargs)  # type: ignore[arg-type]
+
+    def sent(self) -> list[tuple[JobKind, list[int]]]:
+        return [(kind, gpu) for kind, gpu, _ in self.log]
+
+    def close(self) -> None:
+        pass
+
+
+class Rig:
+    def __init__(self, scheduler: Scheduler, backend: ScriptedBackend) -> None:
+        self.scheduler = scheduler
+        self.backend = backend
+        self.manager: CPUOffloadingManager = scheduler._manager
+
+    async def ready(self, *ids: int) -> None:
+        """Store chunks ``ids`` (from GPU blocks ``ids``) and let them land."""
+        handle = self.scheduler.submit_nowait(STORE, keys(*ids), spec(ids))
+        self.backend.finish(*list(self.backend.running))
+        assert (await handle).success
+        self.backend.log.clear()
+        self.backend.order.clear()
+
+
+@contextlib.asynccontextmanager
+async def running(
+    limits: SchedulerLimits | None = None,
+    *,
+    num_chunks: int = 32,
+    capacity: int | None = None,
+    refuse: Callable[[list[int]], bool] | None = None,
+) -> AsyncIterator[Rig]:
+    made: list[ScriptedBackend] = []
+
+    def factory(on_complete: CompletionCallback) -> ScriptedBackend:
+        made.append(ScriptedBackend(on_complete, capacity=capacity, refuse=refuse))
+        return made[0]
+
+    scheduler = Scheduler(
+        CPUOffloadingManager(num_chunks),
+        factory,  # type: ignore[arg-type]
+        blocks_per_chunk=1,
+        block_bytes=[CHUNK],
+        group_num_blocks=[64],
+        limits=limits,
+    )
+    scheduler.open()
+    try:
+        yield Rig(scheduler, made[0])
+    finally:
+        made[0].auto = True
+        made[0].finish(*list(made[0].running))
+        await scheduler.aclose()
+
+
+async def settle() -> None:
+    """Let the loop apply every completion the backend has reported."""
+    await wait_all_tasks_blocked()
+
+
+pytestmark = pytest.mark.anyio
+
+
+# -- through the scheduler ----------------------------------------------------
+
+
+async def test_a_load_goes_before_stores_queued_earlier(anyio_backend: str) -> None:
+    async with running(SchedulerLimits(max_inflight_bytes=CHUNK)) as rig:
+        await rig.ready(1, 2)
+        s = rig.scheduler
+        s.submit_nowait(STORE, keys(10), spec([10]))
+        s.submit_nowait(STORE, keys(11), spec([11]))  # queued: the store budget is full
+        s.submit_nowait(LOAD, keys(1), spec([20]))  # goes: loads have a budget of their own
+        s.submit_nowait(LOAD, keys(2), spec([21]))  # queued
+        assert rig.backend.sent() == [(STORE, [10]), (LOAD, [20])]
+        rig.backend.finish_nth(0)  # the store first, the load next: one burst
+        rig.backend.finish_nth(1)
+        await settle()
+        assert rig.backend.sent()[2:] == [(LOAD, [21]), (STORE, [11])]
+
+
+async def test_each_direction_keeps_its_bytes_in_flight_within_its_budget(
+    anyio_backend: str,
+) -> None:
+    async with running(SchedulerLimits(max_inflight_bytes=2 * CHUNK)) as rig:
+        s = rig.scheduler
+        first = s.submit_nowait(STORE, keys(1), spec([1]))
+        s.submit_nowait(STORE, keys(2), spec([2]))
+        s.submit_nowait(STORE, keys(3, 4), spec([3, 4]))  # 2 chunks: over the budget
+        s.submit_nowait(STORE, keys(5), spec([5]))  # behind it: the queue is FIFO
+        assert rig.backend.sent() == [(STORE, [1]), (STORE, [2])]
+        stores = s.statistics().stores
+        assert (stores.queued, stores.in_flight, stores.inflight_bytes) == (2, 2, 2 * CHUNK)
+        rig.backend.finish_nth(0)
+        assert (await first).success
+        assert rig.backend.sent()[2:] == []  # 1 + 2 chunks would pass the budget
+        rig.backend.finish_nth(1)
+        await settle()
+        assert rig.backend.sent()[2:] == [(STORE, [3, 4])]
+        rig.backend.finish_nth(2)
+        await settle()
+        assert rig.backend.sent()[3:] == [(STORE, [5])]
+
+
+async def test_a_job_larger_than_the_budget_goes_when_nothing_else_is_in_flight(
+    anyio_backend: str,
+) -> None:
+    async with running(SchedulerLimits(max_inflight_bytes=CHUNK // 2)) as rig:
+        s = rig.scheduler
+        big = s.submit_nowait(STORE, keys(1, 2, 3), spec([1, 2, 3]))
+        s.submit_nowait(STORE, keys(4), spec([4]))
+        assert rig.backend.sent() == [(STORE, [1, 2, 3])]
+        assert s.statistics().stores.inflight_bytes == 3 * CHUNK
+        rig.backend.finish_nth(0)
+        assert (await big).success
+        assert rig.backend.sent()[1:] == [(STORE, [4])]
+
+
+async def test_a_load_goes_in_slices_served_round_robin(anyio_backend: str) -> None:
+    limits = SchedulerLimits(slice_chunks=2, max_load_slices=1)
+    async with running(limits) as rig:
+        await rig.ready(*range(1, 9))  # chunk ids 0..7
+        s = rig.scheduler
+        a = s.submit_nowait(LOAD, keys(1, 2, 3, 4), spec([20, 21, 22, 23]))
+        b = s.submit_nowait(LOAD, keys(5, 6, 7), spec([30, 31, 32]))
+        c = s.submit_nowait(LOAD, keys(8), spec([40]))
+        assert rig.backend.log == [(LOAD, [20, 21], [0, 1])]
+        for n in range(4):
+            rig.backend.finish_nth(n)
+            await settle()
+        assert rig.backend.log == [
+            (LOAD, [20, 21], [0, 1]),
+            (LOAD, [22, 23], [2, 3]),  # a went back in line before b and c came
+            (LOAD, [30, 31], [4, 5]),
+            (LOAD, [40], [7]),
+            (LOAD, [32], [6]),
+        ]
+        assert a.done()
+        assert c.done()
+        assert not b.done()
+        rig.backend.finish_nth(4)
+        result = await b
+        assert (result.outcome, result.chunks, result.nbytes) == (JobOutcome.SUCCEEDED, 3, 300)
+        assert rig.manager.statistics().pinned == 0
+
+
+async def test_at_most_max_load_slices_are_at_the_backend(anyio_backend: str) -> None:
+    async with running(SchedulerLimits(slice_chunks=1, max_load_slices=2)) as rig:
+        await rig.ready(1, 2, 3)
+        s = rig.scheduler
+        s.submit_nowait(LOAD, keys(1, 2, 3), spec([20, 21, 22]))
+        assert rig.backend.sent() == [(LOAD, [20]), (LOAD, [21])]
+        assert s.statistics().loads.inflight_bytes == 2 * CHUNK  # the budget allows more
+        s.submit_nowait(STORE, keys(9), spec([9]))  # stores are not bound by it
+        assert rig.backend.sent()[2:] == [(STORE, [9])]
+        rig.backend.finish_nth(0)
+        await settle()
+        assert rig.backend.sent()[3:] == [(LOAD, [22])]
+
+
+async def test_past_max_queued_jobs_submit_nowait_would_block_and_submit_waits(
+    anyio_backend: str,
+) -> None:
+    async with running(SchedulerLimits(max_queued_jobs=2, max_inflight_bytes=CHUNK)) as rig:
+        await rig.ready(20)
+        s = rig.scheduler
+        for i in range(3):  # one at the backend, two queued
+            s.submit_nowait(STORE, keys(i), spec([i]))
+        before = rig.manager.statistics()
+        with pytest.raises(anyio.WouldBlock):
+            s.submit_nowait(STORE, keys(3), spec([3]))
+        assert rig.manager.statistics() == before  # refused before the manager changed
+        s.submit_nowait(LOAD, keys(20), spec([40]))  # loads have a queue of their own
+        got: list[JobHandle] = []
+
+        async def submit() -> None:
+            got.append(await s.submit(STORE, keys(3), spec([3])))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(submit)
+            await settle()
+            assert got == []  # waiting for room
+            rig.backend.finish_nth(0)  # store 0 ends, store 1 goes: room for one
+            await settle()
+            assert len(got) == 1
+        assert s.statistics().stores.queued == 2
+        assert rig.backend.sent() == [(STORE, [0]), (LOAD, [40]), (STORE, [1])]
+
+
+async def test_a_queued_job_cancelled_never_runs_and_gives_its_manager_state_back(
+    anyio_backend: str,
+) -> None:
+    async with running(SchedulerLimits(max_inflight_bytes=CHUNK)) as rig:
+        await rig.ready(5)
+        s = rig.scheduler
+        running_store = s.submit_nowait(STORE, keys(1), spec([1]))
+        queued_store = s.submit_nowait(STORE, keys(2), spec([2]))
+        running_load = s.submit_nowait(LOAD, keys(5), spec([30]))
+        queued_load = s.submit_nowait(LOAD, keys(5), spec([31]))
+        assert rig.manager.statistics().pinned == 1
+        assert repr(queued_store).endswith("[queued]>")
+        assert queued_store.cancel()
+        assert queued_load.cancel()
+        assert not running_store.cancel()
+        assert not running_load.cancel()
+        assert not queued_store.cancel()  # once
+        for handle in (queued_store, queued_load):
+            result = await handle
+            assert (result.outcome, result.nbytes) == (JobOutcome.CANCELLED, 0)
+            assert result.error == "cancelled before it started"
+        assert rig.manager.lookup(keys(2)[0]) is LookupResult.MISS
+        stats = rig.manager.statistics()
+        assert (stats.open_store_jobs, stats.open_load_jobs) == (1, 1)
+        rig.backend.finish(*list(rig.backend.running))
+        assert (await running_store).success
+        assert (await running_load).success
+        await settle()
+        assert rig.backend.sent() == [(STORE, [1]), (LOAD, [30])]  # nothing else ever went
+        counts = s.statistics()
+        assert (counts.stores.cancelled, counts.loads.cancelled) == (1, 1)
+        assert rig.manager.statistics().pinned == 0
+
+
+async def test_a_started_load_is_not_cancelled_and_a_failed_slice_ends_it(
+    anyio_backend: str,
+) -> None:
+    async with running(SchedulerLimits(slice_chunks=1, max_load_slices=1)) as rig:
+        await rig.ready(1, 2, 3)
+        load = rig.scheduler.submit_nowait(LOAD, keys(1, 2, 3), spec([20, 21, 22]))
+        assert not load.cancel()
+        assert repr(load).endswith("[running]>")
+        rig.backend.finish_nth(0, success=False, error="boom")
+        result = await load
+        assert (result.outcome, result.error, result.nbytes) == (JobOutcome.FAILED, "boom", 0)
+        assert rig.backend.sent() == [(LOAD, [20])]  # its other slices never went
+        assert rig.manager.statistics().pinned == 0
+        assert rig.scheduler.statistics().loads.failed == 1
+
+
+async def test_a_full_backend_holds_slices_back_until_a_completion(anyio_backend: str) -> None:
+    async with running(capacity=1) as rig:
+        s = rig.scheduler
+        first = s.submit_nowait(STORE, keys(1), spec([1]))
+        second = s.submit_nowait(STORE, keys(2), spec([2]))
+        assert rig.backend.sent() == [(STORE, [1])]
+        assert s.statistics().stores.queued == 1
+        rig.backend.finish_nth(0)
+        assert (await first).success
+        assert rig.backend.sent() == [(STORE, [1]), (STORE, [2])]
+        rig.backend.finish_nth(1)
+        assert (await second).success
+
+
+# Today a job the backend refuses at submit crashes the dispatch loop (IndexError).
+_BUG = pytest.mark.xfail(strict=True, raises=IndexError, reason="dispatch pops a failed job")
+
+
+@_BUG
+async def test_a_backend_that_refuses_a_job_with_nothing_in_flight_fails_it(
+    anyio_backend: str,
+) -> None:
+    async with running(capacity=0) as rig:
+        handle = rig.scheduler.submit_nowait(STORE, keys(1), spec([1]))
+        result = await handle
+        assert result.outcome is JobOutcome.FAILED
+        assert result.error == "the backend refused a job with nothing else in flight"
+        assert rig.manager.lookup(keys(1)[0]) is LookupResult.MISS
+
+
+@_BUG
+async def test_a_slice_the_backend_refuses_fails_its_job_and_the_rest_go_on(
+    anyio_backend: str,
+) -> None:
+    limits = SchedulerLimits(slice_chunks=1, max_load_slices=2)
+    async with running(limits, refuse=lambda gpu: gpu == [21]) as rig:
+        await rig.ready(1, 2, 3, 4)
+        s = rig.scheduler
+        bad = s.submit_nowait(LOAD, keys(1, 2, 3), spec([20, 21, 22]))
+        assert rig.backend.sent() == [(LOAD, [20])]  # [21] refused, [22] dropped
+        assert not bad.done()  # its first slice is still at the backend
+        good = s.submit_nowait(LOAD, keys(4), spec([30]))  # the room [21] had
+        s.submit_nowait(LOAD, keys(4), spec([31]))  # two slices at the backend: it waits
+        assert rig.backend.sent() == [(LOAD, [20]), (LOAD, [30])]
+        rig.backend.finish(*list(rig.backend.running))
+        result = await bad
+        assert result.outcome is JobOutcome.FAILED
+        assert result.error == "SpecError: the scripted backend refuses this spec"
+        assert (await good).success
+        await settle()
+        assert rig.backend.sent() == [(LOAD, [20]), (LOAD, [30]), (LOAD, [31])]
+        assert rig.manager.statistics().pinned == 0
+
+
+async def test_flush_waits_for_the_stores_that_read_the_blocks(anyio_backend: str) -> None:
+    async with running() as rig:
+        s = rig.scheduler
+        s.submit_nowait(STORE, keys(1, 2), spec([1, 2]))
+        s.submit_nowait(STORE, keys(3), spec([3]))
+        flushed: list[str] = []
+
+        async def flush(name: str, blocks: list[int]) -> None:
+            await s.flush(blocks)
+            flushed.append(name)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(flush, "2", [2, 9])
+            tg.start_soon(flush, "9", [9])
+            await settle()
+            assert flushed == ["9"]
+            rig.backend.finish_nth(1)  # the store of block 3 does not matter
+            await settle()
+            assert flushed == ["9"]
+            rig.backend.finish_nth(0)
+        assert flushed == ["9", "2"]
+
+
+async def test_close_cancels_queued_jobs_and_lets_running_ones_finish(anyio_backend: str) -> None:
+    async with running(SchedulerLimits(max_inflight_bytes=CHUNK)) as rig:
+        s = rig.scheduler
+        first = s.submit_nowait(STORE, keys(1), spec([1]))
+        queued = s.submit_nowait(STORE, keys(2), spec([2]))
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(s.aclose)
+            await settle()
+            assert s.statistics().state == "closing"
+            assert (await queued).outcome is JobOutcome.CANCELLED
+            assert not first.done()
+            rig.backend.finish_nth(0)
+        assert (await first).success
+        assert s.statistics().state == "closed"
+        assert rig.backend.sent() == [(STORE, [1])]
+
+
+# -- spec arithmetic ------------------------------------------------------------
+
+
+def _two_groups() -> GPULoadStoreSpec:
+    # group 0: blocks 2..7 of the request (the first chunk from part-way in), group 1: 4..7
+    return GPULoadStoreSpec([10, 11, 12, 13, 14, 15, 20, 21, 22, 23], [6, 4], [2, 4])
+
+
+def test_chunk_block_ranges_cut_each_group_at_chunk_boundaries() -> None:
+    assert chunk_block_ranges(_two_groups(), 4) == [(0, 2, 0, 2), (2, 6, 0, 4), (6, 10, 1, 4)]
+    assert chunk_block_ranges(GPULoadStoreSpec([1, 2, 3], [3], [0]), 2) == [
+        (0, 2, 0, 0),
+        (2, 3, 0, 2),
+    ]
+    assert chunk_block_ranges(GPULoadStoreSpec([], [0, 0]), 4) == []
+
+
+@pytest.mark.parametrize(
+    ("chosen", "block_ids", "sizes", "firsts"),
+    [
+        ([1, 2], [12, 13, 14, 15, 20, 21, 22, 23], [4, 4], [4, 4]),
+        ([0], [10, 11], [2, 0], [2, 0]),
+        ([2], [20, 21, 22, 23], [0, 4], [0, 4]),
+        ([], [], [0, 0], [0, 0]),
+    ],
+)
+def test_select_chunks_keeps_the_chosen_chunks_and_where_they_start(
+    chosen: list[int], block_ids: list[int], sizes: list[int], firsts: list[int]
+) -> None:
+    sub = select_chunks(_two_groups(), 4, chosen)
+    assert sub.block_ids.tolist() == block_ids
+    assert sub.group_sizes.tolist() == sizes
+    assert sub.block_indices.tolist() == firsts
