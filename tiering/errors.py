@@ -10,7 +10,8 @@ wants to catch "anything tiering refused" catches that one class::
     ├── ChunkStateError        a call does not fit a chunk's state (misuse of the manager)
     │   └── UnknownKeyError    the key is not in the tier at all
     ├── CapacityError          a tier or buffer cannot be sized as asked
-    ├── TransferError          a copy failed inside a backend (wrapped `from` the cause)
+    ├── TransferError          a copy failed inside a backend
+    │   └── CopyFailedError    a job's copy raised: the torch or CUDA error is its ``cause``
     ├── ResourceClosedError    the object was closed and cannot be used any more
     ├── EventSchemaError       a KV event payload or block description does not fit the schema
     └── WorkloadError          a trace or workload description is malformed
@@ -25,6 +26,7 @@ __all__ = [
     "CapacityError",
     "ChunkStateError",
     "ConfigError",
+    "CopyFailedError",
     "EventSchemaError",
     "InvalidKeyError",
     "ResourceClosedError",
@@ -72,7 +74,30 @@ class CapacityError(TieringError):
 
 
 class TransferError(TieringError):
-    """A copy failed inside a transfer backend."""
+    """A copy failed inside a transfer backend.
+
+    Backends do not raise it: a failed copy is a failed `TransferResult` whose
+    ``exception`` holds it (the mock backend's scripted failures are plain
+    `TransferError`s; real failures are `CopyFailedError`s).
+    """
+
+
+class CopyFailedError(TransferError):
+    """The copy of job ``job_id`` raised ``cause`` (a torch or CUDA error) inside a backend.
+
+    ``cause`` is also ``__cause__``, as after ``raise ... from cause``; the
+    message is the text failed results always carried, ``"RuntimeError: ..."``.
+    The backend stays usable.
+    """
+
+    def __init__(self, message: str, cause: BaseException, job_id: int | None = None) -> None:
+        super().__init__(message)
+        self.cause = cause
+        self.job_id = job_id
+        self.__cause__ = cause
+
+    def __reduce__(self) -> tuple[type[CopyFailedError], tuple[str, BaseException, int | None]]:
+        return type(self), (str(self), self.cause, self.job_id)
 
 
 class ResourceClosedError(TieringError):

@@ -12,8 +12,12 @@ five methods::
     statistics()                  an immutable snapshot
 
 Every submitted job completes exactly once with a `TransferResult`. A copy that
-fails inside the backend (any exception) is a failed result carrying the error's
-text, never an exception out of the backend, and the backend stays usable.
+fails inside the backend (any exception) is a failed result, never an exception
+out of the backend, and the backend stays usable. The result keeps the failure
+twice: as text (``error``, ``"RuntimeError: ..."``) and as a `TransferError`
+(``exception``): a `CopyFailedError` whose ``cause`` is the torch or CUDA
+error, or the `TransferError` the backend raised itself (the mock's scripted
+failures).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import enum
 import logging
 import threading
 import time
+import traceback
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -29,7 +34,13 @@ from typing import ClassVar
 
 import msgspec
 
-from tiering.errors import CapacityError, ResourceClosedError, SpecError
+from tiering.errors import (
+    CapacityError,
+    CopyFailedError,
+    ResourceClosedError,
+    SpecError,
+    TransferError,
+)
 from tiering.specs import LoadStoreSpec
 from tiering.transfer.layout import TransferDirection
 
@@ -55,7 +66,10 @@ class TransferResult(msgspec.Struct, frozen=True, kw_only=True):
     ``nbytes`` is the size of the job (the bytes it moves when it succeeds; for
     a failed job, how many of them landed is unknown). ``seconds`` is the time
     the copy itself took, not the time it waited in a queue. ``error`` is the
-    text of the failure, ``None`` on success.
+    text of the failure, ``None`` on success; ``exception`` is the failure
+    itself (a `CopyFailedError` whose ``cause`` is what the copy raised), for
+    callers that act on its type. Results stay in memory, not on a wire: only
+    ``error`` is meant to be serialized.
     """
 
     job_id: int
@@ -64,6 +78,7 @@ class TransferResult(msgspec.Struct, frozen=True, kw_only=True):
     nbytes: int
     seconds: float
     error: str | None = None
+    exception: TransferError | None = None
 
 
 #: Called with each result, from a backend thread (never the submitting one);
@@ -312,10 +327,24 @@ class JobTracker:
         return f"[{closed}jobs: {s.in_flight} in flight, {s.succeeded} done, {s.failed} failed]"
 
 
+def transfer_error(exc: BaseException, job_id: int | None = None) -> TransferError:
+    """``exc`` as the `TransferError` a failed result holds: itself if it is one, else
+    a `CopyFailedError` from it.
+
+    The frames of its traceback drop their local variables (the line numbers
+    stay): a result may be kept long after, and must not keep a job's tensors,
+    or the backend, alive.
+    """
+    traceback.clear_frames(exc.__traceback__)
+    if isinstance(exc, TransferError):
+        return exc
+    return CopyFailedError(f"{type(exc).__name__}: {exc}", exc, job_id)
+
+
 def failed_result(
     job_id: int, direction: TransferDirection, nbytes: int, exc: BaseException, started: float
 ) -> TransferResult:
-    """The result of a job whose copy raised ``exc``."""
+    """The result of a job whose copy raised ``exc`` (see `transfer_error`)."""
     return TransferResult(
         job_id=job_id,
         success=False,
@@ -323,4 +352,5 @@ def failed_result(
         nbytes=nbytes,
         seconds=time.perf_counter() - started,
         error=f"{type(exc).__name__}: {exc}",
+        exception=transfer_error(exc, job_id),
     )
