@@ -301,7 +301,14 @@ async def replay(
             store: JobHandle | None = None
             if hits < len(keys):
                 pages.fill(first + hits, seeds[hits:])  # "compute" what was not loaded
-                store = await engine.submit_store(keys[hits:], GPULoadStoreSpec(blocks[hits:]))
+                gpu = GPULoadStoreSpec(blocks[hits:])
+                try:
+                    # In the load's turn, as a server prepares one step: the hits
+                    # stay pinned while this store evicts (a load that completed
+                    # in between would leave them evictable, unlike `simulate`).
+                    store = engine.submit_store_nowait(keys[hits:], gpu)
+                except anyio.WouldBlock:
+                    store = await engine.submit_store(keys[hits:], gpu)
             if load is not None:
                 result = await load
                 tally.add(result, load=True)
