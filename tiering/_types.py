@@ -1,4 +1,4 @@
-"""Small shared types of layer 0: offload keys and the media that hold chunks."""
+"""Small shared types of layer 0: offload keys, the media that hold chunks, directions."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from tiering.errors import InvalidKeyError
 __all__ = [
     "Medium",
     "OffloadKey",
+    "TransferDirection",
     "get_offload_block_hash",
     "get_offload_group_idx",
     "make_offload_key",
@@ -99,3 +100,14 @@ class Medium(enum.StrEnum):
     GPU = "GPU"
     CPU = "CPU"
     STORAGE = "STORAGE"
+
+
+class TransferDirection(enum.Enum):
+    """Which way a job moves bytes."""
+
+    STORE = "store"  # GPU blocks -> CPU chunk slots
+    LOAD = "load"  # CPU chunk slots -> GPU blocks
+
+    # Members are singletons compared by identity: hash them the same way, in
+    # C, instead of `Enum.__hash__` (Python code, on every per-job dict lookup).
+    __hash__ = object.__hash__

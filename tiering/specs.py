@@ -4,6 +4,11 @@ A job copies chunks between two media; each side is described by a
 `LoadStoreSpec`. The GPU side names GPU block ids, split by KV-cache group; the
 CPU side (`tiering.cpu.common.CPULoadStoreSpec`) names chunk slots of the tier.
 Specs are validated when built, so a backend can trust their shapes.
+
+Chunk arithmetic over a GPU spec lives here too, in plain numbers (no torch):
+`chunk_block_ranges` and `select_chunks` cut a spec into its chunks, and
+`check_gpu_spec` is the one check of a GPU spec against a KV cache, used by the
+scheduler at submission and by the transfer layout before any byte moves.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import numpy.typing as npt
 from tiering._types import (
     Medium,
     OffloadKey,
+    TransferDirection,
     get_offload_block_hash,
     get_offload_group_idx,
     make_offload_key,
@@ -29,9 +35,12 @@ __all__ = [
     "GPULoadStoreSpec",
     "LoadStoreSpec",
     "OffloadKey",
+    "check_gpu_spec",
+    "chunk_block_ranges",
     "get_offload_block_hash",
     "get_offload_group_idx",
     "make_offload_key",
+    "select_chunks",
 ]
 
 IntArray = npt.NDArray[np.int64]
@@ -188,3 +197,120 @@ class GPULoadStoreSpec(BlockIDsLoadStoreSpec):
             f"group_sizes={self.group_sizes.tolist()!r}, "
             f"block_indices={self.block_indices.tolist()!r})"
         )
+
+
+def chunk_block_ranges(
+    spec: GPULoadStoreSpec, blocks_per_chunk: int
+) -> list[tuple[int, int, int, int]]:
+    """Every chunk of ``spec``, group after group: ``(start, stop, group, first)``.
+
+    ``spec.block_ids[start:stop]`` are the chunk's blocks and ``first`` the
+    position in the request of its first block. Group ``g``'s first chunk
+    holds ``blocks_per_chunk - block_indices[g] % blocks_per_chunk`` blocks
+    (fewer if the group has fewer).
+    """
+    chunks = []
+    start = 0
+    sizes, firsts = spec.group_sizes.tolist(), spec.block_indices.tolist()
+    for group, (size, first) in enumerate(zip(sizes, firsts, strict=True)):
+        pos, stop = start, start + size
+        while pos < stop:
+            end = min(pos + blocks_per_chunk - first % blocks_per_chunk, stop)
+            chunks.append((pos, end, group, first))
+            first += end - pos
+            pos = end
+        start = stop
+    return chunks
+
+
+def select_chunks(
+    spec: GPULoadStoreSpec, blocks_per_chunk: int, chosen: Sequence[int]
+) -> GPULoadStoreSpec:
+    """The sub-spec of ``spec`` holding its chunks ``chosen`` (indices, in order)."""
+    chunks = chunk_block_ranges(spec, blocks_per_chunk)
+    num_groups = len(spec.group_sizes)
+    sizes = [0] * num_groups
+    firsts = [0] * num_groups
+    parts = []
+    for i in chosen:
+        start, stop, group, first = chunks[i]
+        if sizes[group] == 0:
+            firsts[group] = first
+        sizes[group] += stop - start
+        parts.append(spec.block_ids[start:stop])
+    block_ids = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    return GPULoadStoreSpec(block_ids, sizes, firsts)
+
+
+def check_gpu_spec(
+    gpu: GPULoadStoreSpec,
+    direction: TransferDirection,
+    *,
+    blocks_per_chunk: int,
+    group_num_blocks: Sequence[int],
+    group_block_bytes: Sequence[int],
+    count: int,
+    what: str,
+) -> int:
+    """Refuse a GPU spec that does not fit the KV cache; return the bytes it covers.
+
+    The KV cache has ``group_num_blocks[g]`` blocks of ``group_block_bytes[g]``
+    bytes in group ``g``. The spec must have one group size per group; a store
+    starts every non-empty group at a chunk boundary (a load may start part-way
+    into its first chunk); every group ends at a chunk boundary; its block ids
+    are in the KV cache; a load names each of them once; and it covers exactly
+    ``count`` chunks, as many as there are of ``what`` (``"key"`` for the
+    scheduler, ``"chunk id"`` for the layout). The `SpecError` names the value.
+    """
+    sizes = gpu.group_sizes.tolist()
+    if len(sizes) != len(group_num_blocks):
+        raise SpecError(
+            f"the GPU spec has {len(sizes)} groups (group_sizes={sizes}) but the KV cache has "
+            f"{len(group_num_blocks)}; give one group size per KV-cache group"
+        )
+    bpc = blocks_per_chunk
+    store = direction is TransferDirection.STORE
+    firsts = gpu.block_indices.tolist()
+    whole = len(sizes) == 1  # one group: its ids are the whole array (no slice: a numpy call)
+    chunks = nbytes = start = 0
+    for g, size in enumerate(sizes):
+        if not size:
+            continue
+        first = firsts[g]
+        if store and first % bpc:
+            raise SpecError(
+                f"group {g}: a store starts at block {first} (block_indices[{g}]), inside a "
+                f"chunk of {bpc} blocks; a store must start at a chunk boundary: it copies "
+                "whole chunks"
+            )
+        if (first + size) % bpc:
+            raise SpecError(
+                f"group {g}: {size} blocks from block {first} do not end at a chunk boundary: "
+                f"they end at block {first + size}, inside a chunk of {bpc} blocks; a job "
+                "moves whole chunks"
+            )
+        ids = gpu.block_ids if whole else gpu.block_ids[start : start + size]
+        start += size
+        low, high = id_bounds(ids)
+        if low < 0:
+            raise SpecError(f"group {g}: GPU block id {low} is negative")
+        limit = group_num_blocks[g]
+        if high >= limit:
+            bad = int(ids[int(np.argmax(ids >= limit))])
+            raise SpecError(
+                f"group {g}: GPU block id {bad} is past the end of the KV cache ({limit} blocks)"
+            )
+        if not store and (dup := first_duplicate(ids)) is not None:
+            raise SpecError(
+                f"group {g}: a load names GPU block id {dup} more than once (block id {dup} "
+                "appears twice in its destination); every destination block must be distinct"
+            )
+        chunks += (first % bpc + size) // bpc
+        nbytes += size * group_block_bytes[g]
+    if chunks != count:
+        raise SpecError(
+            f"{count} {what}s for a GPU spec of {chunks} chunks (group_sizes={sizes} from "
+            f"block_indices={firsts} at blocks_per_chunk={bpc} covers {chunks} chunks); "
+            f"give one {what} per chunk"
+        )
+    return nbytes

@@ -110,7 +110,11 @@ def test_plan_maps_blocks_to_slots_and_skips_into_the_first_chunk() -> None:
     [
         (GPULoadStoreSpec([0, 1, 2, 16]), CPULoadStoreSpec([0]), "block id 16 is past the end"),
         (GPULoadStoreSpec([0, 1, 2, 3]), CPULoadStoreSpec([8]), "chunk id 8 is past the pool"),
-        (GPULoadStoreSpec([0, 1, 2, 3]), CPULoadStoreSpec([0, 1]), "names 2"),
+        (
+            GPULoadStoreSpec([0, 1, 2, 3]),
+            CPULoadStoreSpec([0, 1]),
+            "2 chunk ids for a GPU spec of 1 ",
+        ),
         (GPULoadStoreSpec([0, 1, 2, 3, 4]), CPULoadStoreSpec([0, 1]), "chunk boundary"),
         (GPULoadStoreSpec([0, 1, 2, 3], [4], [1]), CPULoadStoreSpec([0]), "start at a chunk"),
         (CPULoadStoreSpec([0]), GPULoadStoreSpec([0, 1, 2], [3], [2]), "do not end"),
@@ -125,6 +129,17 @@ def test_plan_refuses_what_does_not_fit_naming_the_value(
     layout = _layout([(0, 64)], bpc=4)
     with pytest.raises(SpecError, match=message):
         layout.plan(src, dst, num_chunks=8)  # type: ignore[arg-type]
+
+
+def test_an_empty_group_is_nothing_to_check_wherever_it_starts() -> None:
+    # The scheduler accepted an empty group at any block index and the layout did
+    # not; with one check (tiering.specs.check_gpu_spec) both accept it.
+    layout = _layout([(0, 64), (1, 64)], bpc=4)
+    store = layout.plan(GPULoadStoreSpec([0, 1, 2, 3], [4, 0], [0, 3]), CPULoadStoreSpec([5]), 8)
+    assert [g.slots.tolist() for g in store.groups] == [[20, 21, 22, 23], []]
+    load = layout.plan(CPULoadStoreSpec([5]), GPULoadStoreSpec([7], [0, 1], [1, 3]), 8)
+    assert [g.slots.tolist() for g in load.groups] == [[], [23]]
+    assert load.nbytes == 64
 
 
 def test_the_same_block_id_in_two_groups_is_two_blocks() -> None:

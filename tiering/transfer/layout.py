@@ -32,7 +32,6 @@ group, co-indexed with those chunks.
 
 from __future__ import annotations
 
-import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ import msgspec
 import numpy as np
 import torch
 
+from tiering._types import TransferDirection
 from tiering.cpu.common import CPULoadStoreSpec
 from tiering.errors import SpecError
 from tiering.specs import (
@@ -49,6 +49,7 @@ from tiering.specs import (
     GPULoadStoreSpec,
     IntArray,
     LoadStoreSpec,
+    check_gpu_spec,
     first_duplicate,
     id_bounds,
 )
@@ -80,17 +81,6 @@ _WORD_DTYPES = {
     2: torch.int16,
     1: torch.uint8,
 }
-
-
-class TransferDirection(enum.Enum):
-    """Which way a job moves bytes."""
-
-    STORE = "store"  # GPU blocks -> CPU chunk slots
-    LOAD = "load"  # CPU chunk slots -> GPU blocks
-
-    # Members are singletons compared by identity: hash them the same way, in
-    # C, instead of `Enum.__hash__` (Python code, on every per-job dict lookup).
-    __hash__ = object.__hash__
 
 
 @dataclass(frozen=True)
@@ -261,22 +251,26 @@ class KVLayout:
         """Validate a job against this layout and a pool of ``num_chunks`` chunks.
 
         Raises `SpecError`, naming the value, when the specs are not a
-        (GPU, CPU) store or (CPU, GPU) load, when their sizes disagree, when a
-        block id or chunk id is past the end, or when a destination block or
-        chunk is named twice.
+        (GPU, CPU) store or (CPU, GPU) load, when the GPU spec does not fit
+        the KV cache or the CPU spec's chunks (`tiering.specs.check_gpu_spec`,
+        the scheduler's own check), when a chunk id is past the pool, or when a
+        destination chunk is named twice.
         """
         direction = job_direction(src, dst)
         store = direction is TransferDirection.STORE
         gpu = cast(GPULoadStoreSpec, src if store else dst)
         cpu = cast(CPULoadStoreSpec, dst if store else src)
-        sizes = gpu.group_sizes.tolist()
-        if len(sizes) != self.num_groups:
-            raise SpecError(
-                f"the GPU spec has {len(sizes)} groups "
-                f"(group_sizes={sizes}) but the layout has {self.num_groups}"
-            )
         chunk_ids = cpu.block_ids
         num_ids = len(chunk_ids)
+        nbytes = check_gpu_spec(
+            gpu,
+            direction,
+            blocks_per_chunk=self.blocks_per_chunk,
+            group_num_blocks=self.group_num_blocks,
+            group_block_bytes=self.group_block_bytes,
+            count=num_ids,
+            what="chunk id",
+        )
         if num_ids:
             low, high = id_bounds(chunk_ids)
             if low < 0:
@@ -287,54 +281,23 @@ class KVLayout:
             if store:
                 _check_unique(chunk_ids, "chunk id", "the destination")
         bpc = self.blocks_per_chunk
-        groups: list[GroupPlan] = []
-        used_chunks = 0
-        nbytes = 0
+        sizes = gpu.group_sizes.tolist()
         firsts = gpu.block_indices.tolist()
         whole = len(sizes) == 1  # one group: its blocks and chunks are the whole arrays
-        start = 0
+        groups: list[GroupPlan] = []
+        start = used_chunks = 0
         for g, n in enumerate(sizes):
             blocks = gpu.block_ids if whole else gpu.block_ids[start : start + n]
             start += n
-            skip = firsts[g] % bpc
-            if store and skip:
-                raise SpecError(
-                    f"group {g}: a store must start at a chunk boundary, but block_indices[{g}]="
-                    f"{firsts[g]} is not a multiple of blocks_per_chunk={bpc}"
-                )
-            if (skip + n) % bpc:
-                raise SpecError(
-                    f"group {g}: {n} blocks starting {skip} into a chunk do not end at a chunk "
-                    f"boundary (blocks_per_chunk={bpc}); a job moves whole chunks"
-                )
-            if n:
-                limit = self.group_num_blocks[g]
-                low, high = id_bounds(blocks)
-                if low < 0:
-                    raise SpecError(f"group {g}: block id {low} is negative")
-                if high >= limit:
-                    bad = int(blocks[int(np.argmax(blocks >= limit))])
-                    raise SpecError(f"group {g}: block id {bad} is past the end ({limit} blocks)")
-                if not store:
-                    _check_unique(blocks, f"group {g}: GPU block id", "the destination")
+            skip = firsts[g] % bpc if n else 0
             k = (skip + n) // bpc
-            whole_ids = whole and k == num_ids  # skip the slice: a numpy call per job
-            chunks = chunk_ids if whole_ids else chunk_ids[used_chunks : used_chunks + k]
+            chunks = chunk_ids if whole else chunk_ids[used_chunks : used_chunks + k]
             used_chunks += k
-            if len(chunks) < k:
-                break
             if bpc == 1:
                 slots = chunks
             else:
                 slots = (chunks[:, None] * bpc + self._chunk_pages).reshape(-1)[skip : skip + n]
             groups.append(GroupPlan(group=g, blocks=blocks, slots=slots))
-            nbytes += n * self.group_block_bytes[g]
-        if used_chunks != num_ids:
-            raise SpecError(
-                f"the GPU spec covers {used_chunks} chunks (group_sizes="
-                f"{sizes}, block_indices={firsts}, "
-                f"blocks_per_chunk={bpc}) but the CPU spec names {num_ids}"
-            )
         return TransferPlan(direction=direction, groups=tuple(groups), nbytes=nbytes)
 
     def __repr__(self) -> str:
