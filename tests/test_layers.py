@@ -27,7 +27,8 @@ LAYERS: dict[str, float] = {
     "cpu.manager": 2,
     "transfer": 2.5,
     "events": 3,
-    "scheduler": 4,
+    "scheduler": 4,  # the anyio shell (_scheduler) and what callers hold (_jobs)
+    "scheduler._plan": 2,  # the planning core: pure, no anyio, no torch, no I/O
     "secondary": 4,  # the SecondaryTier contract, health, the in-memory tier
     "secondary.codec": 1,  # pure: the value format
     "secondary.checksum": 1,
