@@ -21,19 +21,19 @@ def items(keys: list[Any], arrays: list[np.ndarray]) -> list[tuple[Any, memoryvi
 
 @pytest.fixture
 def sends(monkeypatch: pytest.MonkeyPatch) -> Counter[int]:
-    """Command batches sent, by server port: redis-py's ``send_packed_command`` calls."""
-    import redis.connection
+    """Command batches sent, by server port: the tier's ``Connection.send`` calls."""
+    from tiering.secondary.redis.connection import Connection
 
     counts: Counter[int] = Counter()
     lock = threading.Lock()
-    original = redis.connection.AbstractConnection.send_packed_command
+    original = Connection.send
 
-    def counting(self: Any, command: Any, check_health: bool = True) -> None:
+    def counting(self: Any, guard: Any, own: Any, row: Any = None) -> None:
         with lock:
             counts[int(self.port)] += 1
-        original(self, command, check_health)
+        original(self, guard, own, row)
 
-    monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", counting)
+    monkeypatch.setattr(Connection, "send", counting)
     return counts
 
 

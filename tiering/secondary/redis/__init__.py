@@ -3,23 +3,32 @@
 Needs the ``redis`` extra (redis-py). redis-py is imported when a `RedisTier`
 first connects, never on ``import tiering``.
 
-Threading model, and why: the tier drives redis-py's *synchronous* client in
-worker threads (``anyio.to_thread.run_sync``, at most ``max_concurrency`` at
-once), not redis-py's asyncio client.
+Threading model, and why: the tier's calls run as blocking I/O on sockets of
+its own, in worker threads (``anyio.to_thread.run_sync``, at most
+``max_concurrency`` at once), not on an asyncio client.
 
 - It works on asyncio *and* trio, like the rest of the engine; redis-py's
   asyncio client is asyncio-only.
 - The per-chunk CPU work (receiving a multi-megabyte reply into the caller's
   row, the header and the checksum of every value) runs in the worker
-  thread, off the event loop; the socket calls release the GIL. On the
+  thread, off the event loop; the socket calls release the GIL. On an
   asyncio client all of it would run on the loop, stalling every other
   request for a millisecond or more per chunk.
-- Throughput is the client's own: ``bench/remote.py`` measures the tier
-  against raw pipelined SET/GET on the same client, and the asyncio client
-  beside them.
+- Throughput: ``bench/remote.py`` measures the tier against raw pipelined
+  SET/GET on redis-py's client, and the asyncio client beside them.
 
-The blocking half, and how a call is one round trip per node with values
-streamed, is `tiering.secondary.redis.wire`; this module is the async shell.
+The layers below, each its own module: `tiering.secondary.redis.address`
+(the URL, checked when the tier is built), `tiering.secondary.redis.resp`
+(RESP, sans-IO: the reply reader that puts a value's payload where it is told),
+`tiering.secondary.redis.connection` (the tier's sockets, TCP or TLS, and their
+pools), `tiering.secondary.redis.wire` (a call as one round trip per node, and
+what it answered) and `tiering.secondary.redis.failures` (redis-py's exception
+classes, sorted by what they mean). Why the tier reads replies itself: a value
+is received straight into the caller's row, where redis-py's parsers and
+hiredis copy it two to four times first (``bench/remote.py``: the tier reads
+1.6-2.3 times as fast as redis-py's Python parser and 0.9-1.1 times hiredis,
+which still copies); redis-py keeps what it does well and the tier does not
+need to do itself: the cluster's slot map, and the error classes.
 
 Timeouts, faults and buffers: every socket operation has ``timeout_s``, and
 every call as a whole is abandoned after ``timeout_s`` (the worker thread may
@@ -28,19 +37,18 @@ after the call returned: each row is encoded or decoded under a per-call lock
 that the abandoning side takes). A connection error, a timeout or a cluster
 that is down takes the tier *down* (see `tiering.secondary.health`): calls
 then miss, writes are dropped and counted, without any I/O, until a probe
-finds the server again; retries back off exponentially. redis-py's own retries
-are turned off so that only this schedule applies. An error the server
-answers for one command (out of memory, read-only, a key of the wrong type)
-is counted by its code and does not take the tier down; but a refused write
-takes the tier's *writes* down on a gate of their own, with the same backoff:
-a Redis full under ``noeviction`` is not sent every write-through only to
-refuse it, while lookups and reads go on.
+finds the server again; retries back off exponentially. Connections are
+never retried behind the tier's back, so that only this schedule applies. An
+error the server answers for one command (out of memory, read-only, a key of
+the wrong type) is counted by its code and does not take the tier down; but a
+refused write takes the tier's *writes* down on a gate of their own, with the
+same backoff: a Redis full under ``noeviction`` is not sent every
+write-through only to refuse it, while lookups and reads go on.
 """
 
 from __future__ import annotations
 
 import logging
-import urllib.parse
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -66,6 +74,7 @@ from tiering.secondary.base import (
 from tiering.secondary.checksum import Checksum
 from tiering.secondary.codec import ChunkCodec, RemoteNamespace, writable_row
 from tiering.secondary.health import Admission, HealthGate, TierState
+from tiering.secondary.redis.address import parse_url, redact_url
 from tiering.secondary.redis.wire import Answer, Guard, RedisWire, Row, Work
 
 __all__ = ["RedisTier", "redact_url"]
@@ -77,85 +86,13 @@ _SLOT_MOVES = frozenset({"MOVED", "ASK", "TRYAGAIN"})
 
 T = TypeVar("T")
 
-_SCHEMES = ("redis", "rediss")
-_TRUE = ("1", "yes", "true", "on")
-_FALSE = ("0", "no", "false", "off")
-
-
-def redact_url(url: str) -> str:
-    """``url`` without its password (nor its query, which may hold one)."""
-    try:
-        parts = urllib.parse.urlsplit(url)
-    except ValueError:  # not a URL at all: keep the scheme and the host, never a password
-        scheme, _, rest = url.partition("://")
-        return f"{scheme}://{rest.rpartition('@')[2].partition('?')[0]}"
-    host = parts.netloc.rpartition("@")[2]
-    user = f"{parts.username}@" if parts.username else ""
-    return urllib.parse.urlunsplit((parts.scheme, user + host, parts.path, "", ""))
-
-
-def _split_cluster_option(url: str, cluster: bool | None) -> tuple[str, bool | None]:
-    """Take the ``cluster=yes|no|auto`` query option (ours, not redis-py's) out of ``url``."""
-    try:
-        parts = urllib.parse.urlsplit(url)
-    except ValueError as exc:
-        raise ConfigError(
-            f"the Redis tier URL {redact_url(url)!r} is not a valid URL ({exc}); give "
-            "redis://[user[:password]@]host[:port][/db]"
-        ) from None
-    if parts.scheme not in _SCHEMES:
-        raise ConfigError(
-            f"a Redis tier URL must start with redis:// or rediss://, got {redact_url(url)!r}"
-        )
-    _check_address(parts, url)
-    query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
-    kept = []
-    for name, value in query:
-        if name != "cluster":
-            kept.append((name, value))
-            continue
-        word = value.lower()
-        option = True if word in _TRUE else False if word in _FALSE else None
-        if option is None and word != "auto":
-            raise ConfigError(f"the URL option cluster must be yes, no or auto, got {value!r}")
-        if cluster is not None and option is not None and option != cluster:
-            raise ConfigError(
-                f"cluster={cluster} contradicts the URL option cluster={value} "
-                f"in {redact_url(url)!r}"
-            )
-        cluster = option if cluster is None else cluster
-    plain = urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(kept)))
-    return plain, cluster
-
-
-def _check_address(parts: urllib.parse.SplitResult, url: str) -> None:
-    """Refuse a URL without a host, with a port out of range or a database that is no number."""
-    shown = redact_url(url) if parts.password else url
-    form = f"{parts.scheme}://[user[:password]@]host[:port][/db]"
-    if not parts.hostname:
-        raise ConfigError(f"the Redis tier URL {shown!r} names no host; give {form}")
-    try:
-        port = parts.port
-    except ValueError:
-        port = -1
-    if port is not None and not 1 <= port <= 65535:
-        raise ConfigError(
-            f"the Redis tier URL {shown!r} has a port out of range or not a number; give a "
-            "port from 1 to 65535"
-        )
-    db = parts.path.lstrip("/")
-    if db and not db.isdigit():
-        raise ConfigError(
-            f"the Redis tier URL {shown!r} names database {db!r}; a Redis database is a "
-            f"number ({form}, e.g. /0)"
-        )
-
 
 class RedisTier(SecondaryTier):
     """A `SecondaryTier` on a Redis server or cluster. Works on asyncio and trio.
 
     ``url``: ``redis://[user[:password]@]host[:port][/db]`` or ``rediss://``
-    (TLS; redis-py's ``ssl_*`` query options apply), with an optional
+    (TLS; the ``ssl_*`` query options of redis-py's URLs apply, see
+    `tiering.secondary.redis.address`), with an optional
     ``cluster=yes|no|auto`` query option. ``cluster``: ``None`` detects it
     (``INFO cluster`` on connecting). ``ttl_s``: expire written values (``SET
     ... PX``); capacity and eviction are otherwise the server's (``maxmemory``
@@ -205,7 +142,7 @@ class RedisTier(SecondaryTier):
         ):
             if not isinstance(number, int) or number < 1:
                 raise ConfigError(f"{label} must be a positive integer, got {number!r}")
-        plain_url, cluster = _split_cluster_option(url, cluster)
+        address, plain_url, cluster = parse_url(url, cluster)
         #: The server's URL without its password: safe to log and show.
         self.url = redact_url(url)
         self.codec = ChunkCodec(namespace, _checksum(checksum))
@@ -224,6 +161,7 @@ class RedisTier(SecondaryTier):
         self._threads: anyio.CapacityLimiter | None = None  # our own, not anyio's default
         self._closed = False
         self._wire = RedisWire(
+            address,
             plain_url,
             self.url,
             self.codec,
@@ -268,9 +206,11 @@ class RedisTier(SecondaryTier):
             )
 
     def sync_client(self) -> Any:
-        """The redis-py client the tier uses (blocking: connects on first use).
+        """A redis-py client of the tier's server (blocking: connects on first use).
 
-        For benchmarks and diagnostics; do not write under the tier's keys.
+        On a cluster, the client whose slot map routes the tier's keys. For
+        benchmarks and diagnostics (the tier's own calls do not go through
+        it); do not write under the tier's keys.
         """
         self._check_open()
         return self._wire.client()
