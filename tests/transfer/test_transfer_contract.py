@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from tiering.errors import ResourceClosedError, SpecError
+from tiering.errors import CopyFailedError, ResourceClosedError, SpecError, TransferError
 from tiering.transfer import TransferDirection, TransferResult
 
 
@@ -136,8 +137,13 @@ def test_bad_specs_raise_before_any_byte_moves(make_rig: Any) -> None:
     assert torch.equal(rig.pool.tensor, pool_before)
 
 
-def _sabotage_next_copy(rig: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make the next copy of ``rig``'s backend raise inside the backend."""
+def _sabotage_next_copy(
+    rig: Any, monkeypatch: pytest.MonkeyPatch, keep: list[weakref.ref[torch.Tensor]] | None = None
+) -> None:
+    """Make the next copy of ``rig``'s backend raise inside the backend.
+
+    The failing frame holds a tensor, which ``keep`` gets a weak reference to.
+    """
     backend: Any = rig.backend
     target, attr = (backend, "_enqueue") if rig.backend.name == "cuda" else (backend._copier, "run")
     original = getattr(target, attr)
@@ -146,6 +152,9 @@ def _sabotage_next_copy(rig: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     def broken(*args: Any, **kwargs: Any) -> Any:
         calls["n"] += 1
         if calls["n"] == 1:
+            held = torch.zeros(1024)
+            if keep is not None:
+                keep.append(weakref.ref(held))
             raise RuntimeError("the copy engine caught fire")
         return original(*args, **kwargs)
 
@@ -159,12 +168,36 @@ def test_a_failed_copy_is_a_failed_result_and_the_backend_stays_usable(
     _sabotage_next_copy(rig, monkeypatch)
     failed = rig.run(rig.gpu([list(range(4)), []]), rig.cpu([0]))
     assert not failed.success
-    assert "the copy engine caught fire" in (failed.error or "")
+    assert failed.error == "RuntimeError: the copy engine caught fire"
     _store_then_load(rig, chunks_per_group=2)
     stats = rig.backend.statistics()
     assert (stats.failed, stats.succeeded, stats.in_flight) == (1, 2, 0)
     assert (stats.stores.failed, stats.stores.succeeded) == (1, 1)
     assert stats.loads.bytes == 8 * sum(rig.layout.group_block_bytes)
+
+
+def test_a_failed_result_keeps_the_error_with_its_type_and_cause(
+    make_rig: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rig = make_rig()
+    frame_locals: list[weakref.ref[torch.Tensor]] = []
+    _sabotage_next_copy(rig, monkeypatch, frame_locals)
+    failed = rig.run(rig.gpu([list(range(4)), []]), rig.cpu([0]))
+    error = failed.exception
+    assert isinstance(error, CopyFailedError)
+    assert isinstance(error, TransferError)
+    assert type(error.cause) is RuntimeError
+    assert error.__cause__ is error.cause
+    assert str(error.cause) == "the copy engine caught fire"
+    assert str(error) == failed.error
+    assert error.job_id == failed.job_id
+    # The traceback says where it failed, but its frames hold no locals: a kept
+    # result keeps no tensor (nor the backend) alive.
+    assert error.cause.__traceback__ is not None
+    assert [ref() for ref in frame_locals] == [None]
+    ok = rig.run(rig.gpu([list(range(4)), []]), rig.cpu([1]))
+    assert ok.success
+    assert (ok.error, ok.exception) == (None, None)
 
 
 def test_jobs_of_a_direction_complete_in_submission_order(make_rig: Any) -> None:

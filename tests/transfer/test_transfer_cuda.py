@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,7 +22,11 @@ from tiering.transfer import (
     TransferDirection,
     get_backend_class,
 )
-from tiering.transfer.cuda import copy_pieces
+from tiering.transfer import cuda as cuda_module
+from tiering.transfer.cuda import StagedCopies, copy_pieces
+
+DIRECTIONS = tuple(TransferDirection)
+cpu = CPULoadStoreSpec
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -40,6 +46,109 @@ def test_copy_pieces_cut_runs_at_capacity_and_pinned_pieces() -> None:
     ]
     assert copy_pieces(slots, max_slots=100, piece_slots=4) == [(0, 4), (4, 8), (8, 10), (10, 11)]
     assert copy_pieces(np.zeros(0, dtype=np.int64), 4, 4) == []
+
+
+def _staged_rig(stage_slots: int, piece_slots: int) -> Any:
+    """CPU KV tensors of two groups, a pool, and `StagedCopies` over CPU buffers."""
+    rng = np.random.default_rng(5)
+    pages = [(0, 4096), (0, 1024), (1, 2048)]
+    kv = [torch.from_numpy(rng.integers(0, 256, (32, p), dtype=np.uint8)) for _, p in pages]
+    layout = KVLayout([KVCacheTensor(t, 32, p, g) for t, (g, p) in zip(kv, pages, strict=True)], 4)
+    pool = HostMemoryPool(layout.pool_bytes(16))
+    host = pool.tensor[: 16 * layout.row_bytes].view(layout.word_dtype)
+    slot_words = layout.slot_bytes // layout.word_bytes
+    copies = StagedCopies(
+        layout,
+        host,
+        {d: torch.empty(stage_slots * slot_words, dtype=layout.word_dtype) for d in DIRECTIONS},
+        {d: torch.empty(StagedCopies.max_blocks(layout), dtype=torch.int64) for d in DIRECTIONS},
+        stage_slots=stage_slots,
+        piece_slots=piece_slots,
+    )
+    return kv, layout, pool, host, copies, rng
+
+
+def _run_program(copies: StagedCopies, plan: Any) -> None:
+    program = copies.compile(plan)
+    assert program.index is not None
+    assert program.index_host is not None
+    program.index.copy_(program.index_host)
+    for call in program.calls:
+        call()
+
+
+@pytest.mark.parametrize(("stage_slots", "piece_slots"), [(1, 1000), (3, 8), (64, 4), (64, 1000)])
+def test_staged_copies_move_the_pages_of_every_tensor(stage_slots: int, piece_slots: int) -> None:
+    # The cuda backend's copies, run on CPU tensors: runs cut at the staging
+    # capacity and at pinned-piece boundaries still land every page in its slot.
+    kv, layout, pool, host, copies, rng = _staged_rig(stage_slots, piece_slots)
+    try:
+        blocks = [rng.permutation(32)[:12].tolist(), rng.permutation(32)[:8].tolist()]
+        chunks = [5, 6, 7, 1, 9]  # a run, across a piece boundary at slot 24, then scattered
+        store = layout.plan(GPULoadStoreSpec(blocks[0] + blocks[1], [12, 8]), cpu(chunks), 16)
+        _run_program(copies, store)
+        original = [t.clone() for t in kv]
+        for group in store.groups:
+            slots = torch.from_numpy(group.slots)
+            for t in layout.group_tensors[group.group]:
+                got = layout.pool_view(host, t)[slots].view(torch.uint8)
+                want = layout.kv_view(t)[torch.from_numpy(group.blocks)].view(torch.uint8)
+                assert torch.equal(got, want), (group.group, t)
+
+        for t in kv:  # scribble, then load chunks 6, 7 | 9 back into other blocks, skipping 1
+            t.copy_(torch.from_numpy(rng.integers(0, 256, t.shape, dtype=np.uint8)))
+        before = [t.clone() for t in kv]
+        dst = [[20, 21, 22, 23, 24, 25, 26], [0, 1, 2, 3]]
+        load = layout.plan(cpu([6, 7, 9]), GPULoadStoreSpec(dst[0] + dst[1], [7, 4], [1, 0]), 16)
+        _run_program(copies, load)
+        sources = [blocks[0][5:12], blocks[1][4:8]]
+        for g in range(2):
+            for t in layout.group_tensors[g]:
+                assert torch.equal(kv[t][dst[g]], original[t][sources[g]]), (g, t)
+                untouched = [b for b in range(32) if b not in dst[g]]
+                assert torch.equal(kv[t][untouched], before[t][untouched])
+    finally:
+        pool.close()
+
+
+def test_an_empty_job_compiles_to_no_copies() -> None:
+    _, layout, pool, _, copies, _ = _staged_rig(4, 8)
+    try:
+        program = copies.compile(layout.plan(GPULoadStoreSpec([], [0, 0]), cpu([]), 16))
+        assert (program.index, program.calls) == (None, [])
+    finally:
+        pool.close()
+
+
+def _torch_cuda_names() -> set[str]:
+    tree = ast.parse(Path(cuda_module.__file__).read_text())
+    return {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Attribute)
+        and node.value.attr == "cuda"
+        and isinstance(node.value.value, ast.Name)
+        and node.value.value.id == "torch"
+    }
+
+
+def test_the_torch_cuda_names_the_backend_uses_exist_in_this_torch() -> None:
+    # The GPU check runs this on the device's torch (2.11), where nothing else
+    # of the backend can be checked before a GPU runs it.
+    names = _torch_cuda_names()
+    assert {"Event", "Stream", "cudart", "stream", "device"} <= names
+    missing = sorted(n for n in names if not hasattr(torch.cuda, n))
+    assert missing == [], f"torch {torch.__version__} lacks torch.cuda.{missing}"
+    methods = [(torch.cuda.Event, "record"), (torch.cuda.Event, "synchronize")]
+    methods += [(torch.cuda.Event, "elapsed_time"), (torch.cuda.Stream, "wait_event")]
+    # The rest a CUDA build has, without initializing CUDA (a CPU build has none).
+    if torch.version.cuda is not None:
+        methods += [(torch.cuda.Stream, "priority"), (torch.cuda.Stream, "priority_range")]
+        cudart = torch._C._cudart
+        for fn in ("cudaHostRegister", "cudaHostUnregister", "cudaGetErrorString", "cudaError"):
+            assert hasattr(cudart, fn), fn
+    assert [f"{c.__name__}.{m}" for c, m in methods if not hasattr(c, m)] == []
 
 
 def test_importing_the_cuda_backend_does_not_initialize_cuda() -> None:

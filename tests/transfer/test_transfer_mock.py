@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from tiering.cpu.common import CPULoadStoreSpec
-from tiering.errors import CapacityError, ConfigError, ResourceClosedError, SpecError
+from tiering.errors import (
+    CapacityError,
+    ConfigError,
+    ResourceClosedError,
+    SpecError,
+    TransferError,
+)
 from tiering.specs import GPULoadStoreSpec
 from tiering.transfer import (
     HostMemoryPool,
@@ -88,6 +94,10 @@ def test_scripted_failures_are_failed_results(fail: Any) -> None:
         results = {r.job_id: r for r in mock.poll()}
         assert [results[j].success for j in (1, 2, 3)] == [True, False, True]
         assert results[2].error == "TransferError: scripted failure of job 2"
+        # The scripted failure is itself the TransferError: nothing to wrap.
+        assert type(results[2].exception) is TransferError
+        assert str(results[2].exception) == "scripted failure of job 2"
+        assert results[1].exception is None
         assert mock.statistics().failed == 1
 
 

@@ -1,7 +1,22 @@
 """The ``cuda`` backend: copies between GPU KV tensors and the pinned host pool.
 
 This is the only module of `tiering` that touches ``torch.cuda``; it is imported
-only when the ``cuda`` backend is asked for by name.
+only when the ``cuda`` backend is asked for by name. It runs on torch 2.11 and
+later (``scripts/gpu_check.sh`` checks it on a GPU).
+
+Design note: threads
+--------------------
+The backend is a `ThreadedBackend` with ``completes_later``: it shares the
+threaded backends' admission, state, close and failed results. Per direction,
+a *launcher* thread queues each job's copies on a stream and returns at once,
+and a *finisher* thread sleeps on the job's end event (blocking-sync: no
+spinning) and completes the job, in order. Nothing on the submitting thread
+(the caller's event loop) launches a kernel or copies a byte: `submit` only
+builds the job's bound torch calls (views, no CUDA call) and records one event
+on the compute stream. The two threads share no lock: the launcher takes
+streams and events from per-direction pools that the finisher refills
+(``deque`` appends and pops are atomic). Pageable copies (see Pinning) block
+their launcher thread, never the caller.
 
 Design note: stream ordering
 ----------------------------
@@ -10,19 +25,20 @@ higher-priority streams than stores: loads are on the time-to-first-token
 path). Before its first copy, a job's stream waits on:
 
 1. the caller's current stream (the *compute* stream) as of `submit`, in both
-   directions. A store must not read KV blocks the model is still writing; a
-   load must not overwrite blocks that kernels already queued still read.
-   Work the caller queues *after* `submit` is not waited for: a caller that
-   reuses blocks must wait for the job first (that is the engine's ``flush``).
+   directions: `submit` records an event there, the launcher makes the job's
+   stream wait for it. A store must not read KV blocks the model is still
+   writing; a load must not overwrite blocks that kernels already queued still
+   read. Work the caller queues *after* `submit` is not waited for: a caller
+   that reuses blocks must wait for the job first (that is the engine's ``flush``).
 2. the end event of the previous job of the same direction, so jobs of one
-   direction run in submission order (FIFO) and can share one staging buffer.
-   Stores and loads do not wait on each other; the manager never lets a load
-   read a chunk that is still being written.
+   direction run in submission order (FIFO) and can share one staging buffer
+   and one device index buffer. Stores and loads do not wait on each other;
+   the manager never lets a load read a chunk that is still being written.
 
-Each job records a start and an end event (timing, blocking-sync so waiting
-threads sleep instead of spinning). A watcher thread per direction sleeps on
-the oldest job's end event and completes jobs in order; `poll` also reaps
-finished jobs with non-blocking ``query()``, so neither path busy-waits.
+Each job records a start and an end event (timing, blocking-sync so the
+finisher sleeps). A job whose launch raised part-way still records its end
+event, so what it queued finishes before the next job of its direction starts
+and before it is reported (failed).
 
 Batching: per run of consecutive pool slots (a run of chunk ids), a store
 gathers every tensor's pages on the GPU into a staging buffer laid out exactly
@@ -32,13 +48,17 @@ reverse (one copy in, one ``index_copy_`` kernel per tensor). A slot holds the
 pages of *every* tensor of the group, so even a single-slot run is one large
 DMA: small pages never mean small copies. Runs are cut at the staging capacity
 and at the boundaries of the pinned pieces, so no copy spans two registrations.
-The staging buffers cost ``2 x staging_bytes`` of device memory.
+The block ids go to the GPU once per job, into the direction's index buffer.
+The staging and index buffers cost about ``2 x staging_bytes`` of device memory.
 
 Pinning: the pool (one anonymous mapping, see `memory`) is registered with
 ``cudaHostRegister`` in pieces of at most ``pin_piece_bytes`` (whole rows), in
 a helper thread so a failure cannot leave a stale CUDA error on the caller's
 thread. If registration fails, the backend logs once and runs pageable: copies
-are then synchronous with respect to the submitting thread and slower.
+are then synchronous with respect to the launcher thread, and slower.
+
+Errors: anything a launch or a wait raises (a torch ``RuntimeError``, a CUDA
+error) fails that job only: its result holds a `CopyFailedError` from it.
 """
 
 from __future__ import annotations
@@ -46,28 +66,21 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
 
-from tiering.errors import ConfigError, ResourceClosedError, SpecError
+from tiering.errors import ConfigError, SpecError
 from tiering.specs import IntArray, LoadStoreSpec
-from tiering.transfer.base import (
-    DEFAULT_MAX_IN_FLIGHT,
-    BackendState,
-    BackendStatistics,
-    CompletionCallback,
-    JobTracker,
-    TransferBackend,
-    TransferResult,
-)
+from tiering.transfer.base import DEFAULT_MAX_IN_FLIGHT, CompletionCallback
 from tiering.transfer.layout import KVLayout, TransferDirection, TransferPlan, run_bounds
 from tiering.transfer.memory import HostMemoryPool
+from tiering.transfer.worker import PendingCopy, ThreadedBackend, ThreadedJob
 
-__all__ = ["CudaBackend", "HostRegistration", "copy_pieces"]
+__all__ = ["CudaBackend", "HostRegistration", "StagedCopies", "copy_pieces"]
 
 logger = logging.getLogger(__name__)
 
@@ -155,30 +168,159 @@ def copy_pieces(slots: IntArray, max_slots: int, piece_slots: int) -> list[tuple
     return out
 
 
-@dataclass
-class _CudaJob:
-    job_id: int
-    direction: TransferDirection
-    nbytes: int
-    stream: torch.cuda.Stream
-    start: torch.cuda.Event
-    end: torch.cuda.Event
-    keep: list[torch.Tensor] = field(default_factory=list)
-    error: str | None = None
+#: A bound torch call of a job.
+_Call = Callable[[], object]
 
 
-class CudaBackend(TransferBackend):
+class CopyProgram:
+    """A job's copies as bound torch calls, built on the submitting thread.
+
+    ``index_host`` (the job's block ids, on the host) goes to ``index`` (a view
+    of the direction's device index buffer) before the ``calls`` run. ``ready``
+    is the event `CudaBackend.admitted` records on the compute stream;
+    ``error`` is what recording it raised, if anything.
+    """
+
+    __slots__ = ("calls", "error", "index", "index_host", "ready")
+
+    def __init__(
+        self, index_host: torch.Tensor | None, index: torch.Tensor | None, calls: list[_Call]
+    ) -> None:
+        self.index_host = index_host
+        self.index = index
+        self.calls = calls
+        self.ready: torch.cuda.Event | None = None
+        self.error: Exception | None = None
+
+
+class StagedCopies:
+    """Compiles a job into staged copies over fixed buffers (see the module docstring).
+
+    Device-agnostic: it only makes views and binds calls, so it runs on CPU
+    tensors too (a test checks its bytes there). ``host`` is the pool as a flat
+    tensor of the layout's words; ``staging`` and ``index`` hold, per direction,
+    a buffer of ``stage_slots`` slots and one of at least `max_blocks` int64 ids.
+    """
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        host: torch.Tensor,
+        staging: dict[TransferDirection, torch.Tensor],
+        index: dict[TransferDirection, torch.Tensor],
+        *,
+        stage_slots: int,
+        piece_slots: int,
+    ) -> None:
+        self.layout = layout
+        self._host = host
+        self._staging = staging
+        self._index = index
+        self._stage_slots = stage_slots
+        self._piece_slots = piece_slots
+        self._slot_words = layout.slot_bytes // layout.word_bytes
+        self._kv = [layout.kv_view(i) for i in range(len(layout.tensors))]
+        w, sw = layout.word_bytes, self._slot_words
+        # Each tensor's columns of the staging rows: its pages, as in a pool slot.
+        self._columns = {
+            d: [
+                buffer[: stage_slots * sw]
+                .view(stage_slots, sw)
+                .narrow(1, layout.page_offsets[t] // w, kv.shape[1])
+                for t, kv in enumerate(self._kv)
+            ]
+            for d, buffer in staging.items()
+        }
+
+    @staticmethod
+    def max_blocks(layout: KVLayout) -> int:
+        """The most block ids one job can name (each block of each group once)."""
+        return sum(layout.group_num_blocks)
+
+    def compile(self, plan: TransferPlan) -> CopyProgram:
+        """The copies of ``plan`` as bound calls, moving nothing yet."""
+        groups = [g for g in plan.groups if len(g.blocks)]
+        if not groups:
+            return CopyProgram(None, None, [])
+        d = plan.direction
+        ids = np.concatenate([g.blocks for g in groups]).astype(np.int64, copy=False)
+        index = self._index[d].narrow(0, 0, len(ids))
+        staging, columns = self._staging[d], self._columns[d]
+        store = d is TransferDirection.STORE
+        sw = self._slot_words
+        calls: list[_Call] = []
+        first = 0
+        for group in groups:
+            blocks = index.narrow(0, first, len(group.blocks))
+            first += len(group.blocks)
+            tensors = self.layout.group_tensors[group.group]
+            slots = group.slots
+            for a, b in copy_pieces(slots, self._stage_slots, self._piece_slots):
+                n = b - a
+                stage = staging.narrow(0, 0, n * sw)
+                host = self._host.narrow(0, int(slots[a]) * sw, n * sw)
+                piece = blocks.narrow(0, a, n)
+                if store:
+                    for t in tensors:
+                        out = columns[t].narrow(0, 0, n)
+                        calls.append(partial(torch.index_select, self._kv[t], 0, piece, out=out))
+                    calls.append(partial(host.copy_, stage, non_blocking=True))
+                else:
+                    calls.append(partial(stage.copy_, host, non_blocking=True))
+                    for t in tensors:
+                        calls.append(
+                            partial(self._kv[t].index_copy_, 0, piece, columns[t].narrow(0, 0, n))
+                        )
+        return CopyProgram(torch.from_numpy(ids), index, calls)
+
+
+class _CudaCopy(PendingCopy):
+    """A job queued on its stream; `wait` sleeps on its end event, then recycles both."""
+
+    __slots__ = ("backend", "direction", "end", "error", "start", "stream")
+
+    def __init__(
+        self,
+        backend: CudaBackend,
+        direction: TransferDirection,
+        stream: torch.cuda.Stream,
+        start: torch.cuda.Event,
+        end: torch.cuda.Event,
+        error: Exception | None,
+    ) -> None:
+        self.backend = backend
+        self.direction = direction
+        self.stream = stream
+        self.start = start
+        self.end = end
+        self.error = error
+
+    def wait(self) -> float:
+        backend = self.backend
+        # A thread's CUDA calls go to device 0 unless told: stay on ours.
+        with torch.cuda.device(backend.device):
+            self.end.synchronize()  # blocking-sync event: sleeps, GIL released
+            seconds = float(self.start.elapsed_time(self.end)) / 1e3
+        # Landed: the stream and events are free (a wait that raised drops them).
+        backend.recycle(self.direction, self.stream, self.start, self.end)
+        if self.error is not None:
+            raise self.error
+        return seconds
+
+
+class CudaBackend(ThreadedBackend):
     """Copies between CUDA KV tensors and a host pool over per-job streams.
 
-    See the module docstring for ordering, batching and pinning. Jobs are
-    ordered after ``compute_stream`` if given, else after the submitting
+    See the module docstring for threads, ordering, batching and pinning. Jobs
+    are ordered after ``compute_stream`` if given, else after the submitting
     thread's current stream (torch streams are per thread: submit from the
     thread that runs the model, or pass its stream). ``on_complete`` is called
-    from a watcher thread. `close` waits for every job, then unregisters the
+    from a finisher thread. `close` waits for every job, then unregisters the
     pool: close the backend before the pool.
     """
 
     name = "cuda"
+    completes_later = True
 
     def __init__(
         self,
@@ -202,7 +344,7 @@ class CudaBackend(TransferBackend):
         if layout.device.type != "cuda":
             raise SpecError(f"the KV tensors are on {layout.device}; the cuda backend needs CUDA")
         index = layout.device.index
-        self._device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
+        self.device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
         self.layout = layout
         self._compute_stream = compute_stream
         self.num_chunks = layout.num_chunks(pool.nbytes)
@@ -212,257 +354,166 @@ class CudaBackend(TransferBackend):
                 f"({layout.row_bytes} bytes)"
             )
         pool_bytes = self.num_chunks * layout.row_bytes
-        w = layout.word_bytes
-        self._slot_words = layout.slot_bytes // w
-        self._host = pool.tensor[:pool_bytes].view(layout.word_dtype)
         piece_rows = max(1, pin_piece_bytes // layout.row_bytes)
-        self._piece_slots = piece_rows * layout.blocks_per_chunk
         self._registration: HostRegistration | None = None
         if pin:
             self._registration = HostRegistration(
-                pool.data_ptr, pool_bytes, piece_rows * layout.row_bytes, self._device
+                pool.data_ptr, pool_bytes, piece_rows * layout.row_bytes, self.device
             )
             if not self._registration.pinned:
                 _warn_pageable(self._registration.error)
-        self._kv = [layout.kv_view(i) for i in range(len(layout.tensors))]
-        self._stage_slots = max(1, staging_bytes // layout.slot_bytes)
-        with torch.cuda.device(self._device):
-            self._staging = {
-                d: torch.empty(
-                    self._stage_slots * self._slot_words,
-                    dtype=layout.word_dtype,
-                    device=self._device,
-                )
-                for d in TransferDirection
-            }
+        try:
+            stage_slots = max(1, staging_bytes // layout.slot_bytes)
+            slot_words = layout.slot_bytes // layout.word_bytes
+            max_blocks = StagedCopies.max_blocks(layout)
+            with torch.cuda.device(self.device):
+                staging = {
+                    d: torch.empty(
+                        stage_slots * slot_words, dtype=layout.word_dtype, device=self.device
+                    )
+                    for d in TransferDirection
+                }
+                index_buffers = {
+                    d: torch.empty(max_blocks, dtype=torch.int64, device=self.device)
+                    for d in TransferDirection
+                }
+            self._copies: StagedCopies | None = StagedCopies(
+                layout,
+                pool.tensor[:pool_bytes].view(layout.word_dtype),
+                staging,
+                index_buffers,
+                stage_slots=stage_slots,
+                piece_slots=piece_rows * layout.blocks_per_chunk,
+            )
+        except BaseException:
+            if self._registration is not None:
+                self._registration.close()
+            raise
         self._priority = {
             TransferDirection.LOAD: _LOAD_PRIORITY,
             TransferDirection.STORE: _STORE_PRIORITY,
         }
-        self._lock = threading.Condition()
-        self._streams: dict[TransferDirection, list[torch.cuda.Stream]] = {
-            d: [] for d in TransferDirection
-        }
-        self._events: list[torch.cuda.Event] = []
-        self._launched: dict[TransferDirection, deque[_CudaJob]] = {
+        # Free streams and start/end events, per direction: the launcher pops,
+        # the finisher appends (no lock: deque appends and pops are atomic).
+        self._streams: dict[TransferDirection, deque[torch.cuda.Stream]] = {
             d: deque() for d in TransferDirection
         }
+        self._events: dict[TransferDirection, deque[torch.cuda.Event]] = {
+            d: deque() for d in TransferDirection
+        }
+        self._ready: deque[torch.cuda.Event] = deque()  # compute-stream marks, any submitter
+        # Written and read by the direction's launcher thread only.
         self._last_end: dict[TransferDirection, torch.cuda.Event | None]
         self._last_end = dict.fromkeys(TransferDirection)
-        self._reap_locks = {d: threading.RLock() for d in TransferDirection}
-        self._stopping = False
-        self._tracker = JobTracker(self.name, on_complete, max_in_flight)
-        self._watchers = {
-            d: threading.Thread(
-                target=self._watch, args=(d,), name=f"tiering-cuda-{d.value}", daemon=True
-            )
-            for d in TransferDirection
-        }
-        for t in self._watchers.values():
-            t.start()
+        super().__init__(on_complete=on_complete, max_in_flight=max_in_flight)
 
     @property
     def pinned(self) -> bool:
         """Whether the pool is registered with CUDA (else copies are pageable)."""
         return self._registration is not None and self._registration.pinned
 
-    # -- contract -------------------------------------------------------------
+    # -- submitting thread: no launch, no copy ---------------------------------
 
-    def submit(self, job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec) -> None:
-        if self._tracker.state is not BackendState.OPEN:
-            raise ResourceClosedError(f"the cuda backend is {self._tracker.state.value}")
+    def prepare(self, job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec) -> ThreadedJob:
+        copies = self._copies
+        if copies is None:  # closed meanwhile: admission refuses it next
+            return ThreadedJob(job_id, TransferDirection.STORE, None, src, dst)
         plan = self.layout.plan(src, dst, self.num_chunks)
-        self._tracker.admit(job_id, plan.direction)
-        try:
-            with self._lock:
-                job = self._launch(job_id, plan)
-                self._launched[plan.direction].append(job)
-                self._lock.notify_all()
-        except Exception as exc:  # nothing was queued: the job ends now, failed
-            self._tracker.complete(
-                TransferResult(
-                    job_id=job_id,
-                    success=False,
-                    direction=plan.direction,
-                    nbytes=plan.nbytes,
-                    seconds=0.0,
-                    error=f"{type(exc).__name__}: {exc}",
-                )
-            )
+        return ThreadedJob(job_id, plan.direction, plan, src, dst, copies.compile(plan))
 
-    def poll(self) -> list[TransferResult]:
-        for d in TransferDirection:
-            self._reap(d)
-        return self._tracker.poll()
-
-    def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> bool:
-        return self._tracker.wait(job_ids, timeout)
-
-    def statistics(self) -> BackendStatistics:
-        return self._tracker.statistics()
-
-    def close(self) -> None:
-        """Wait for every job, stop the watchers, unregister the pool. Idempotent."""
-        on_watcher = any(t is threading.current_thread() for t in self._watchers.values())
-        if not self._tracker.begin_close():
-            if not on_watcher:
-                self._tracker.wait_closed()
+    def admitted(self, job: ThreadedJob) -> None:
+        """Mark the compute stream: the job's copies wait for the work queued there so far."""
+        program = job.work
+        if not isinstance(program, CopyProgram):
             return
-        if on_watcher:
-            threading.Thread(target=self._finish_close, name="tiering-cuda-close").start()
-        else:
-            self._finish_close()
+        try:
+            try:
+                ready = self._ready.pop()
+            except IndexError:
+                ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            ready.record(self._compute_stream or torch.cuda.current_stream(self.device))
+            program.ready = ready
+        except Exception as exc:  # the job is admitted: it fails in order, in the launcher
+            program.error = exc
 
-    def __repr__(self) -> str:
-        return f"<CudaBackend {self._tracker.describe()}>"
+    # -- launcher thread ------------------------------------------------------
 
-    # -- launching (under self._lock) -----------------------------------------
-
-    def _launch(self, job_id: int, plan: TransferPlan) -> _CudaJob:
-        d = plan.direction
-        streams = self._streams[d]
-        with torch.cuda.device(self._device):
-            stream = (
-                streams.pop() if streams else torch.cuda.Stream(self._device, self._priority[d])  # type: ignore[no-untyped-call]
-            )
-            start, end = self._event(), self._event()
-            job = _CudaJob(job_id, d, plan.nbytes, stream, start, end)
-            compute = self._compute_stream or torch.cuda.current_stream(self._device)
-            stream.wait_stream(compute)
+    def execute(self, job: ThreadedJob) -> PendingCopy | None:
+        program = job.work
+        if not isinstance(program, CopyProgram):
+            return None
+        if program.error is not None:
+            raise program.error
+        d = job.direction
+        with torch.cuda.device(self.device):
+            stream = self._take_stream(d)
+            if program.ready is not None:
+                stream.wait_event(program.ready)
+                self._ready.append(program.ready)  # re-recording it cannot undo the wait
             previous = self._last_end[d]
             if previous is not None:
                 stream.wait_event(previous)
+            start, end = self._take_event(d), self._take_event(d)
+            error: Exception | None = None
             with torch.cuda.stream(stream):
                 start.record(stream)
                 try:
-                    job.keep = self._enqueue(plan)
+                    self._enqueue(program)
                 except Exception as exc:  # what was queued still runs; the job fails
-                    job.error = f"{type(exc).__name__}: {exc}"
+                    error = exc
                 finally:
                     end.record(stream)
-        self._last_end[d] = end
-        return job
+            self._last_end[d] = end
+        return _CudaCopy(self, d, stream, start, end, error)
 
-    def _event(self) -> torch.cuda.Event:
-        if self._events:
-            return self._events.pop()
-        return torch.cuda.Event(enable_timing=True, blocking=True)  # type: ignore[no-untyped-call]
+    def _enqueue(self, program: CopyProgram) -> None:
+        """Queue the copies of ``program`` on the current stream."""
+        if program.index is not None and program.index_host is not None:
+            ids = program.index_host
+            if self.pinned:  # else a pageable copy, which the driver stages at once
+                ids = ids.pin_memory()
+            program.index.copy_(ids, non_blocking=True)
+        for call in program.calls:
+            call()
 
-    def _enqueue(self, plan: TransferPlan) -> list[torch.Tensor]:
-        """Queue the copies of ``plan`` on the current stream; returns tensors to keep alive."""
-        all_blocks = np.concatenate([g.blocks for g in plan.groups] or [np.zeros(0, np.int64)])
-        if len(all_blocks) == 0:
-            return []
-        index_host = torch.from_numpy(all_blocks)
-        if self.pinned:
-            index_host = index_host.pin_memory()
-        index = index_host.to(self._device, non_blocking=True)
-        stage_all = self._staging[plan.direction]
-        store = plan.direction is TransferDirection.STORE
-        sw = self._slot_words
-        w = self.layout.word_bytes
-        first = 0
-        for group in plan.groups:
-            blocks = index.narrow(0, first, len(group.blocks))
-            first += len(group.blocks)
-            tensors = [
-                (self._kv[t], self.layout.page_offsets[t] // w, self._kv[t].shape[1])
-                for t in self.layout.group_tensors[group.group]
-            ]
-            slots = group.slots
-            for a, b in copy_pieces(slots, self._stage_slots, self._piece_slots):
-                n = b - a
-                stage = stage_all.narrow(0, 0, n * sw)
-                rows = stage.view(n, sw)
-                host = self._host.narrow(0, int(slots[a]) * sw, n * sw)
-                ids = blocks.narrow(0, a, n)
-                if store:
-                    for kv, off, words in tensors:
-                        torch.index_select(kv, 0, ids, out=rows.narrow(1, off, words))
-                    host.copy_(stage, non_blocking=True)
-                else:
-                    stage.copy_(host, non_blocking=True)
-                    for kv, off, words in tensors:
-                        kv.index_copy_(0, ids, rows.narrow(1, off, words))
-        return [index_host, index]
-
-    # -- completion -----------------------------------------------------------
-
-    def _watch(self, d: TransferDirection) -> None:
-        while True:
-            with self._lock:
-                self._lock.wait_for(lambda: bool(self._launched[d]) or self._stopping)
-                if not self._launched[d]:
-                    return
-                job = self._launched[d][0]
-            try:
-                job.end.synchronize()  # blocking-sync event: sleeps, GIL released
-            except Exception as exc:
-                job.error = job.error or f"{type(exc).__name__}: {exc}"
-            self._reap(d, head_done=job)
-
-    def _reap(self, d: TransferDirection, head_done: _CudaJob | None = None) -> None:
-        """Complete the finished jobs at the head of direction ``d``, in order."""
-        with self._reap_locks[d]:
-            while True:
-                with self._lock:
-                    queue = self._launched[d]
-                    if not queue:
-                        return
-                    job = queue[0]
-                    if job is not head_done and not _query(job):
-                        return
-                    queue.popleft()
-                    seconds = _elapsed(job)
-                    if self._last_end[d] is job.end:
-                        self._last_end[d] = None
-                    self._streams[d].append(job.stream)
-                    self._events += [job.start, job.end]
-                    job.keep.clear()
-                self._tracker.complete(
-                    TransferResult(
-                        job_id=job.job_id,
-                        success=job.error is None,
-                        direction=d,
-                        nbytes=job.nbytes,
-                        seconds=seconds,
-                        error=job.error,
-                    )
-                )
-
-    def _finish_close(self) -> None:
+    def _take_stream(self, d: TransferDirection) -> torch.cuda.Stream:
         try:
-            self._tracker.wait_idle()
-            with self._lock:
-                self._stopping = True
-                self._lock.notify_all()
-            for t in self._watchers.values():
-                if t is not threading.current_thread():
-                    t.join()
-            self._staging.clear()
-            self._kv.clear()
-            self._streams.clear()
-            self._events.clear()
-            if self._registration is not None:
-                self._registration.close()
-            del self._host
-        finally:
-            self._tracker.finish_close()
+            return self._streams[d].pop()
+        except IndexError:
+            return torch.cuda.Stream(self.device, self._priority[d])  # type: ignore[no-untyped-call]
 
+    def _take_event(self, d: TransferDirection) -> torch.cuda.Event:
+        try:
+            return self._events[d].pop()
+        except IndexError:
+            return torch.cuda.Event(enable_timing=True, blocking=True)  # type: ignore[no-untyped-call]
 
-def _query(job: _CudaJob) -> bool:
-    try:
-        return bool(job.end.query())  # type: ignore[no-untyped-call]
-    except Exception as exc:  # a CUDA error: the job is over, and failed
-        job.error = job.error or f"{type(exc).__name__}: {exc}"
-        return True
+    # -- finisher thread --------------------------------------------------------
 
+    def recycle(
+        self,
+        d: TransferDirection,
+        stream: torch.cuda.Stream,
+        start: torch.cuda.Event,
+        end: torch.cuda.Event,
+    ) -> None:
+        """Give a landed job's stream and events back to direction ``d``'s pools."""
+        self._streams[d].append(stream)
+        self._events[d].extend((start, end))
 
-def _elapsed(job: _CudaJob) -> float:
-    try:
-        return float(job.start.elapsed_time(job.end)) / 1e3
-    except Exception:
-        return 0.0
+    # -- close ----------------------------------------------------------------
+
+    def release_resources(self) -> None:
+        # Every job has landed and both threads of each direction have stopped.
+        self._copies = None
+        self._last_end = dict.fromkeys(TransferDirection)
+        for streams in self._streams.values():
+            streams.clear()
+        for events in self._events.values():
+            events.clear()
+        self._ready.clear()
+        if self._registration is not None:
+            self._registration.close()
 
 
 def _warn_pageable(reason: str | None) -> None:
