@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 TRACE ?= ../shared/traces/conversation_trace.jsonl
 
-.PHONY: install test run check lint bench dashboards clean
+.PHONY: install test run check lint bench dashboards gpu-wheels clean
 
 $(BIN)/tiering:
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,18 @@ dashboards: install
 	@if command -v promtool >/dev/null 2>&1; then \
 		promtool check rules dashboards/alerts.yml && promtool test rules dashboards/alerts_test.yml; \
 	else echo "promtool not found (apt-get install prometheus): alert rules not checked"; fi
+
+# Wheels of what the GPU check needs and the device image lacks (scripts/gpu_check.sh
+# says which: msgspec), for its Python (3.12) on x86_64 Linux, into wheels/ (ignored), which a
+# device call carries: the device has no network.
+GPU_WHEELS ?= msgspec>=0.18.6
+GPU_PYTHON ?= 3.12
+gpu-wheels: install
+	$(BIN)/pip download --quiet --only-binary=:all: --python-version $(GPU_PYTHON) \
+		--implementation cp --abi cp$(subst .,,$(GPU_PYTHON)) \
+		--platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
+		-d wheels $(foreach w,$(GPU_WHEELS),"$(w)")
+	@ls wheels
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -12,7 +12,7 @@ memories gives the bandwidth limit. Each is timed ``--repeat`` times,
 interleaved, and the best run counts (these machines are noisy). The figure
 that matters is the ratio: job GB/s over limit GB/s.
 
-    python bench/transfer.py [--backend cpu|cuda|mock] [--json]
+    python bench/transfer.py [--backend cpu|cuda|mock] [--json] [--no-pin]
 
 Targets: ratio >= 0.8 for pages of 256 KiB and up, >= 0.5 for 16 KiB pages; on
 an H100/H200 over PCIe 5, >= 45 GB/s per direction for 2 MiB pages.
@@ -66,6 +66,7 @@ def run_page_size(
     repeat: int,
     device: torch.device,
     rng: np.random.Generator,
+    backend_options: dict[str, object] | None = None,
 ) -> list[dict[str, object]]:
     num_blocks = total_bytes // (tensors * page_bytes)
     num_blocks -= num_blocks % blocks_per_chunk
@@ -77,7 +78,7 @@ def run_page_size(
     )
     pool = HostMemoryPool(layout.pool_bytes(num_chunks))
     pool.tensor.fill_(1)  # fault the pages in before timing
-    backend: TransferBackend = create_backend(backend_name, layout, pool)
+    backend: TransferBackend = create_backend(backend_name, layout, pool, **(backend_options or {}))
     try:
         nbytes = num_blocks * tensors * page_bytes
         flat_kv = kv.view(-1)
@@ -124,6 +125,7 @@ def run_page_size(
                     "blocks_per_chunk": blocks_per_chunk,
                     "tensors": tensors,
                     "bytes": nbytes,
+                    "pinned": getattr(backend, "pinned", None),
                 }
             )
         return rows
@@ -142,11 +144,13 @@ def main() -> None:
     parser.add_argument("--page-kib", type=int, nargs="*", help="page sizes in KiB")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
+    parser.add_argument("--no-pin", action="store_true", help="cuda: leave the pool pageable")
     args = parser.parse_args()
     device = torch.device("cuda" if args.backend == "cuda" else "cpu")
     pages = [k << 10 for k in args.page_kib] if args.page_kib else list(PAGE_SIZES)
     orders = ["sequential", "shuffled"] if args.chunk_order == "all" else [args.chunk_order]
     rng = np.random.default_rng(0)
+    options: dict[str, object] = {"pin": False} if args.no_pin and args.backend == "cuda" else {}
     if not args.json:
         print(f"{'backend':8} {'page':>9} {'chunks':>10} {'dir':6} {'GB/s':>7} {'limit':>7} ratio")
     for order in orders:
@@ -161,6 +165,7 @@ def main() -> None:
                 repeat=args.repeat,
                 device=device,
                 rng=rng,
+                backend_options=options,
             ):
                 if args.json:
                     print(json.dumps(row), flush=True)
