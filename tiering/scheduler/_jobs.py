@@ -113,7 +113,7 @@ class _Job(PlannedJob):
     )
 
     def __init__(self, job_id: int, kind: JobKind, keys: tuple[OffloadKey, ...]) -> None:
-        super().__init__(kind)
+        PlannedJob.__init__(self, kind)  # not super(): a job is made per submission
         self.id = job_id
         self.keys = keys
         self.blocks: IntArray | None = None  # GPU blocks a store reads (for flush)
@@ -226,7 +226,8 @@ class _Counts:
         self.latency = [0] * (len(LATENCY_BUCKETS) + 1)
         self.latency_seconds = 0.0
 
-    def add(self, result: JobResult, *, started: bool) -> None:
+    def add(self, result: JobResult, started: bool) -> None:
+        """Count a job that has ended; ``started`` jobs count in the latency histogram."""
         outcome = result.outcome
         if outcome is JobOutcome.SUCCEEDED:
             self.succeeded += 1

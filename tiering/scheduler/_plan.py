@@ -120,6 +120,7 @@ class Planner(Generic[J]):
         group_num_blocks: Sequence[int],
     ) -> None:
         self.limits = limits
+        self._max_queued = limits.max_queued_jobs
         self._bpc = blocks_per_chunk
         self._block_bytes = tuple(block_bytes)
         self._group_num_blocks = tuple(group_num_blocks)
@@ -129,7 +130,7 @@ class Planner(Generic[J]):
 
     def has_room(self, kind: TransferDirection) -> bool:
         """Whether direction ``kind`` may queue another job."""
-        return len(self._lanes[kind].queue) < self.limits.max_queued_jobs
+        return len(self._lanes[kind].queue) < self._max_queued
 
     def check(self, kind: TransferDirection, gpu: GPULoadStoreSpec, num_keys: int) -> int:
         """Refuse a GPU spec that does not fit the KV cache or ``num_keys`` keys; its bytes."""
@@ -164,18 +165,25 @@ class Planner(Generic[J]):
         sub = select_chunks(gpu, self._bpc, [index[key] for key in stored])
         return Slice(gpu=sub, cpu=cpu, nbytes=self._bytes_of(sub))
 
-    def load_slices(self, gpu: GPULoadStoreSpec, cpu: CPULoadStoreSpec, nbytes: int) -> list[Slice]:
-        """A load of ``gpu`` from ``cpu`` (co-indexed chunks) cut into slices of `slice_chunks`."""
+    def slice_load(self, job: J, gpu: GPULoadStoreSpec, cpu: CPULoadStoreSpec, nbytes: int) -> int:
+        """Give ``job`` the slices of a load of ``gpu`` from ``cpu`` (co-indexed chunks).
+
+        Slices hold at most ``slice_chunks`` chunks each. Returns the bytes of
+        them all (``nbytes``, the bytes of ``gpu``).
+        """
         step = self.limits.slice_chunks
-        count = len(cpu)
+        count = len(cpu.block_ids)
         if count <= step:
-            return [Slice(gpu=gpu, cpu=cpu, nbytes=nbytes)]
-        slices = []
+            job.slices.append(Slice(gpu=gpu, cpu=cpu, nbytes=nbytes))
+            return nbytes
+        total = 0
         for lo in range(0, count, step):
             sub = select_chunks(gpu, self._bpc, range(lo, min(lo + step, count)))
             part = CPULoadStoreSpec.from_valid_ids(cpu.block_ids[lo : lo + step].tolist())
-            slices.append(Slice(gpu=sub, cpu=part, nbytes=self._bytes_of(sub)))
-        return slices
+            piece = Slice(gpu=sub, cpu=part, nbytes=self._bytes_of(sub))
+            job.slices.append(piece)
+            total += piece.nbytes
+        return total
 
     def enqueue(self, job: J) -> None:
         """Queue ``job`` (its slices made) behind the others of its direction."""
@@ -232,7 +240,7 @@ class Planner(Generic[J]):
                     queue.appendleft(job)
                     break
 
-    def complete(self, job: J, piece: Slice, *, ok: bool, error: str | None = None) -> bool:
+    def complete(self, job: J, piece: Slice, ok: bool, error: str | None = None) -> bool:
         """Slice ``piece`` of ``job`` has ended; ``True`` when the whole job has.
 
         A failure fails the job: its slices not handed over yet are dropped

@@ -104,6 +104,7 @@ class Scheduler:
         )
         self._counts = {kind: _Counts() for kind in JobKind}
         self._room = {kind: anyio.Event() for kind in JobKind}  # set when a queue has room
+        self._waiting = 0  # submitters waiting for room
         self._job_ids = itertools.count()
         self._slice_ids = itertools.count()
         self._running: dict[int, tuple[_Job, Slice]] = {}  # backend job id -> slice
@@ -219,8 +220,7 @@ class Scheduler:
         else:
             cpu = self._manager.prepare_load(keys, job=manager_job(job.id))
             job.chunks = len(keys)
-            job.slices.extend(plan.load_slices(gpu, cpu, nbytes))
-            job.nbytes = sum(s.nbytes for s in job.slices)
+            job.nbytes = plan.slice_load(job, gpu, cpu, nbytes)
         plan.enqueue(job)
         self._pump()
         return handle
@@ -250,9 +250,14 @@ class Scheduler:
             try:
                 return submit()
             except anyio.WouldBlock:
-                if self._room[kind].is_set():
-                    self._room[kind] = anyio.Event()
-                await self._room[kind].wait()
+                room = self._room[kind]
+                if room.is_set():
+                    room = self._room[kind] = anyio.Event()
+                self._waiting += 1
+                try:
+                    await room.wait()
+                finally:
+                    self._waiting -= 1
 
     async def flush(self, block_ids: Sequence[int] | IntArray) -> None:
         """Return once no store submitted before this call still reads ``block_ids``.
@@ -282,9 +287,10 @@ class Scheduler:
         if self._backend is None:
             return
         self._plan.dispatch(self._dispatch)
-        for kind, room in self._room.items():
-            if not room.is_set() and self._plan.has_room(kind):
-                room.set()
+        if self._waiting:
+            for kind, room in self._room.items():
+                if self._plan.has_room(kind):
+                    room.set()
 
     def _dispatch(self, job: _Job, piece: Slice) -> bool:
         """Hand ``piece`` to the backend; ``False`` (and nothing done) if it is full."""
@@ -350,7 +356,7 @@ class Scheduler:
             return
         job, piece = entry
         job.seconds += seconds
-        if self._plan.complete(job, piece, ok=success, error=error):
+        if self._plan.complete(job, piece, success, error):
             self._end(job, ok=job.error is None, error=job.error)
         if not self._running:
             self._idle.set()
@@ -370,7 +376,7 @@ class Scheduler:
 
     def _finish(self, job: _Job, outcome: JobOutcome, error: str | None = None) -> None:
         self._stores.pop(job.id, None)
-        self._counts[job.kind].add(job.finish(outcome, error), started=job.started)
+        self._counts[job.kind].add(job.finish(outcome, error), job.started)
 
     def _cancel(self, job: _Job) -> bool:
         if not self._plan.cancel(job):
