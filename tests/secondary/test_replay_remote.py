@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -55,20 +56,31 @@ def test_the_same_on_a_redis_cluster(redis_cluster: RedisClusterRig) -> None:
 
 def test_redis_killed_mid_replay_and_restarted(own_redis_server: RedisServer) -> None:
     url = own_redis_server.url
+    client = own_redis_server.client()
+    client.config_set("notify-keyspace-events", "E$")  # an event per SET
+    events = client.pubsub(ignore_subscribe_messages=True)
+    events.subscribe("__keyevent@0__:set")
     run = subprocess.Popen(
         [sys.executable, "-m", "tiering", *REPLAY, "--requests", "4000", "--remote", url],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        client = own_redis_server.client()
+        # Wait (on the server's events, not a clock) until the replay is well under way.
         deadline = time.monotonic() + 60
-        while client.dbsize() < 200:  # the replay is well under way
-            assert time.monotonic() < deadline, "the replay wrote nothing in a minute"
+        sets = 0
+        while sets < 200:
+            assert time.monotonic() < deadline, f"the replay wrote {sets} chunks in a minute"
             assert run.poll() is None, "the replay ended early"
-            time.sleep(0.05)
+            sets += events.get_message(timeout=1.0) is not None
+        events.close()
         client.close()
         own_redis_server.kill()
-        time.sleep(1.0)
+        # The port answers, but only to close each connection: once the tier has
+        # tried one, it has seen the outage (and counted it). Then Redis is back.
+        with socket.create_server(("127.0.0.1", own_redis_server.port)) as stand_in:
+            stand_in.settimeout(60)
+            connection, _ = stand_in.accept()
+            connection.close()
         own_redis_server.start()  # same port: the tier reconnects by itself
         out, err = run.communicate(timeout=180)
     finally:

@@ -6,7 +6,8 @@ cascade and promotion logic can be tested without a server. Several tiers may
 share one `MemoryStore`, as several engines share one Redis. Faults are
 scripted, never timed: `set_available` (down until told otherwise),
 `fail_next` (the next calls fail with an error), `pause`/`resume` (calls wait,
-then time out).
+then time out), `refuse_writes` (the store answers writes with an error code,
+as a full Redis does).
 """
 
 from __future__ import annotations
@@ -126,6 +127,7 @@ class MemoryTier(SecondaryTier):
         self._fail_message = ""
         self._paused: anyio.Event | None = None
         self._pause_requested = False
+        self._refusing: str | None = None
 
     # -- faults -----------------------------------------------------------------
 
@@ -144,6 +146,15 @@ class MemoryTier(SecondaryTier):
         """Calls wait from now on until `resume`, each at most ``timeout_s`` (then they fail)."""
         self._pause_requested = True
 
+    def refuse_writes(self, code: str | None = "OOM") -> None:
+        """The store refuses every write with error ``code`` from now on (``None``: no more).
+
+        As a Redis full under ``noeviction`` answers ``OOM``: each chunk is
+        counted as refused (``refused_by_reason``, ``write_errors_by_reason``
+        ``refused <code>``), the call is no failure and the tier stays up.
+        """
+        self._refusing = code
+
     def resume(self) -> None:
         self._pause_requested = False
         if self._paused is not None:
@@ -156,6 +167,9 @@ class MemoryTier(SecondaryTier):
         self._check_open()
         c = self._counters
         c.contains_calls += 1
+        if not keys:  # nothing to ask: no round trip, but still a checkpoint
+            await anyio.lowlevel.checkpoint()
+            return []
         if await self._unreachable() is not None:
             return c.found([False] * len(keys))
         return c.found([self.store.exists(self.codec.remote_key(k)) for k in keys])
@@ -165,6 +179,9 @@ class MemoryTier(SecondaryTier):
         values = [(self.codec.remote_key(k), self.codec.encode(k, row)) for k, row in items]
         c = self._counters
         c.write_calls += 1
+        if not values:
+            await anyio.lowlevel.checkpoint()
+            return 0
         try:
             cause = await self._unreachable()
         except BaseException:  # cancelled: none of them written, and each counted so
@@ -172,6 +189,9 @@ class MemoryTier(SecondaryTier):
             raise
         if cause is not None:
             return c.written(0, len(values), self.row_bytes, cause=cause)
+        if self._refusing is not None:
+            refusal = (self._refusing, f"{self._refusing}: the store refuses writes")
+            return c.written(0, len(values), self.row_bytes, refused=[refusal] * len(values))
         for remote_key, value in values:
             self.store[remote_key] = value
         return c.written(len(values), len(values), self.row_bytes)
@@ -181,6 +201,9 @@ class MemoryTier(SecondaryTier):
         views = [writable_row(buffer, self.row_bytes) for _, buffer in items]
         c = self._counters
         c.read_calls += 1
+        if not views:
+            await anyio.lowlevel.checkpoint()
+            return []
         if await self._unreachable() is not None:
             c.read_misses_total += len(views)
             return [False] * len(views)
