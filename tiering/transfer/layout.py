@@ -33,7 +33,7 @@ group, co-indexed with those chunks.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -42,8 +42,9 @@ import numpy as np
 import torch
 
 from tiering._types import TransferDirection
+from tiering.config import OffloadingConfig
 from tiering.cpu.common import CPULoadStoreSpec
-from tiering.errors import SpecError
+from tiering.errors import ConfigError, SpecError
 from tiering.specs import (
     SMALL_IDS,
     GPULoadStoreSpec,
@@ -305,6 +306,109 @@ class KVLayout:
             f"<KVLayout [{len(self.tensors)} tensors in {self.num_groups} groups, "
             f"{self.blocks_per_chunk} blocks/chunk, {self.row_bytes} bytes/row, {self.device}]>"
         )
+
+    @classmethod
+    def from_kv_caches(
+        cls,
+        config: OffloadingConfig,
+        kv_caches: Mapping[str, torch.Tensor] | Sequence[KVCacheTensor],
+    ) -> KVLayout:
+        """The layout of the per-layer tensors named by the config's groups, block-major.
+
+        ``kv_caches`` maps each layer name of the groups to its tensor: the first
+        dimension is its number of blocks and one block's elements are contiguous
+        (a ``(num_blocks, ...)`` layout; a ``(2, num_blocks, ...)`` K/V layout is
+        registered as two `KVCacheTensor` by the caller instead, and a sequence of
+        `KVCacheTensor` is taken as it is). Every tensor has the config's dtype
+        (``model.dtype``; for a vLLM quantized cache dtype such as ``fp8``, any
+        dtype of the size vLLM stores it in, as attention backends view those
+        bytes as they need). Anything else is a `ConfigError`. Chunks hold the
+        config's ``cache.blocks_per_chunk`` blocks.
+        """
+        if not isinstance(kv_caches, Mapping):
+            return cls(_given_tensors(config, kv_caches), config.cache.blocks_per_chunk)
+        named = {name for group in config.groups for name in group.layer_names}
+        extra = sorted(set(kv_caches) - named)
+        if extra:
+            raise ConfigError(
+                f"KV cache tensors {extra} belong to no group of the config; "
+                f"the groups name {sorted(named)}"
+            )
+        tensors = []
+        for g, group in enumerate(config.groups):
+            for name in group.layer_names:
+                tensor = kv_caches.get(name)
+                if tensor is None:
+                    raise ConfigError(f"no KV cache tensor for layer {name!r} of group {g}")
+                where = f"KV cache tensor {name!r}"
+                if not isinstance(tensor, torch.Tensor):
+                    raise ConfigError(
+                        f"{where} is a {_type_name(tensor)}; give a torch.Tensor, block-major "
+                        "(num_blocks, ...)"
+                    )
+                if tensor.dim() < 1 or tensor.shape[0] < 1:
+                    raise ConfigError(
+                        f"{where} must be block-major (num_blocks, ...) with at least one "
+                        f"block, got shape {tuple(tensor.shape)}"
+                    )
+                if not tensor.is_contiguous():
+                    raise ConfigError(
+                        f"{where} is not contiguous (shape {tuple(tensor.shape)}, strides "
+                        f"{tuple(tensor.stride())}): a transposed or strided view; give the "
+                        "tensor the cache is stored in, block-major (num_blocks, ...) with each "
+                        "block's elements contiguous"
+                    )
+                _check_dtype(config, where, tensor)
+                page_bytes = tensor[0].numel() * tensor.element_size()
+                tensors.append(KVCacheTensor(tensor, int(tensor.shape[0]), page_bytes, group=g))
+        return cls(tensors, config.cache.blocks_per_chunk)
+
+
+def _given_tensors(config: OffloadingConfig, kv_caches: object) -> list[KVCacheTensor]:
+    """A sequence of `KVCacheTensor`, checked; anything else is refused, naming the mapping."""
+    items: list[object] | None = None
+    if isinstance(kv_caches, Sequence) and not isinstance(kv_caches, (str, bytes)):
+        items = list(kv_caches)
+    tensors = [item for item in items or () if isinstance(item, KVCacheTensor)]
+    if items is None or len(tensors) != len(items):
+        given = f"a {_type_name(kv_caches)}"
+        if items is not None:
+            kinds = sorted({_type_name(item) for item in items})
+            given += f" of {len(items)} items ({', '.join(kinds)})" if kinds else " of no items"
+        layers = [name for group in config.groups for name in group.layer_names]
+        raise ConfigError(
+            f"kv_caches must map each layer name to its KV cache tensor "
+            f"({{layer name: torch.Tensor}} for the layers {layers}), or be a list of "
+            f"KVCacheTensor; got {given}"
+        )
+    for index, kv in enumerate(tensors):
+        _check_dtype(config, f"kv_caches[{index}].tensor", kv.tensor)
+    return tensors
+
+
+def _type_name(value: object) -> str:
+    kind = type(value)
+    return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__name__}"
+
+
+def _check_dtype(config: OffloadingConfig, where: str, tensor: torch.Tensor) -> None:
+    """Refuse a KV tensor whose dtype is not the config's (see `KVLayout.from_kv_caches`)."""
+    dtype, storage = config.model.dtype, config.model.storage_dtype
+    expected = getattr(torch, storage, None)
+    if not isinstance(expected, torch.dtype):
+        raise ConfigError(
+            f"the config's model.dtype={dtype!r} is not a dtype of torch {torch.__version__}"
+        )
+    if tensor.dtype == expected:
+        return
+    if dtype != storage and tensor.element_size() == expected.itemsize:
+        return  # a vLLM quantized cache: its bytes, viewed as a backend needs
+    stored = f" (stored as {storage})" if dtype != storage else ""
+    raise ConfigError(
+        f"{where} has dtype {str(tensor.dtype).removeprefix('torch.')} but the config's "
+        f"model.dtype is {dtype!r}{stored}; give KV tensors of that dtype, or set model.dtype "
+        "to theirs"
+    )
 
 
 def _check_tensor(i: int, kv: KVCacheTensor, device: torch.device) -> None:
