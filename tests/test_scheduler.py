@@ -760,3 +760,29 @@ def test_plan_keeps_its_bounds_and_runs_every_slice_once_in_order(
         assert [name for name in backend.log if name.startswith(f"j{i}.")] == [
             f"j{i}.{n}" for n in range(len(sizes))
         ]
+
+
+async def test_a_failed_job_holds_the_backends_error_with_its_type(anyio_backend: str) -> None:
+    """The backend's failure crosses into the job's result as the `TransferError` it
+    raised (a `CopyFailedError` carries the torch error as ``cause``), not only as text."""
+    from tiering.engine import TieringEngine
+    from tiering.errors import TransferError
+
+    from .test_engine import CHUNK_BYTES, config, kv_caches, keys, spec
+
+    engine = TieringEngine(
+        config(),
+        kv_caches(),
+        cpu_bytes=8 * CHUNK_BYTES,
+        backend="mock",
+        backend_options={"fail": {0}},  # the backend's first job fails
+    )
+    async with engine:
+        result = await (await engine.submit_store(keys(1), spec([0])))
+        assert result.outcome is JobOutcome.FAILED
+        assert isinstance(result.exception, TransferError)
+        assert result.error is not None
+        assert str(result.exception) in result.error
+        ok = await (await engine.submit_store(keys(2), spec([1])))
+        assert ok.success
+        assert ok.exception is None

@@ -13,6 +13,7 @@ import anyio.lowlevel
 import msgspec
 
 from tiering._types import OffloadKey, TransferDirection
+from tiering.errors import TransferError
 from tiering.scheduler._plan import PlannedJob
 from tiering.specs import IntArray
 
@@ -53,6 +54,10 @@ class JobResult(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     seconds: float  # time spent copying (sum over the job's slices)
     latency: float  # from submission to completion
     error: str | None = None
+    #: A failed job's first failure as the backend raised it: a `TransferError`
+    #: (a `CopyFailedError` holds the torch or CUDA error as ``cause``); ``None``
+    #: when the job did not fail in a backend (no room, cancelled, closed).
+    exception: TransferError | None = None
 
     @property
     def success(self) -> bool:
@@ -104,6 +109,7 @@ class _Job(PlannedJob):
         "blocks",
         "chunks",
         "done",
+        "exception",
         "id",
         "keys",
         "nbytes",
@@ -123,6 +129,7 @@ class _Job(PlannedJob):
         self.submitted = time.perf_counter()
         self.done: anyio.Event | None = None  # made when someone waits (most never do)
         self.result: JobResult | None = None
+        self.exception: TransferError | None = None  # the first failure, as raised
 
     def finish(self, outcome: JobOutcome, error: str | None) -> JobResult:
         """Set the job's result and wake whoever waits for it."""
@@ -135,6 +142,7 @@ class _Job(PlannedJob):
             seconds=self.seconds,
             latency=time.perf_counter() - self.submitted,
             error=error,
+            exception=self.exception if outcome is JobOutcome.FAILED else None,
         )
         if self.done is not None:
             self.done.set()

@@ -39,7 +39,7 @@ import numpy as np
 
 from tiering._types import OffloadKey
 from tiering.cpu.manager import CPUOffloadingManager
-from tiering.errors import CapacityError, ResourceClosedError
+from tiering.errors import CapacityError, ResourceClosedError, TransferError
 from tiering.scheduler._jobs import (
     DirectionStatistics,
     JobHandle,
@@ -308,9 +308,14 @@ class Scheduler:
             error = "the backend refused a job with nothing else in flight"
         except Exception as exc:  # a spec the backend refuses: the job fails, we go on
             error = f"{type(exc).__name__}: {exc}"
+            failure = exc if isinstance(exc, TransferError) else None
+        else:
+            failure = None
         self._running[slice_id] = (job, piece)
         if error is not None:
-            self._complete_slice(slice_id, success=False, seconds=0.0, error=error)
+            self._complete_slice(
+                slice_id, success=False, seconds=0.0, error=error, exception=failure
+            )
         return True
 
     def _from_backend(self, result: TransferResult) -> None:
@@ -341,6 +346,7 @@ class Scheduler:
                         success=result.success,
                         seconds=result.seconds,
                         error=result.error,
+                        exception=result.exception,
                     )
                 except Exception:  # a bug: say so, keep every other job going
                     logger.exception("scheduler: completing transfer %d failed", result.job_id)
@@ -349,13 +355,21 @@ class Scheduler:
             logger.exception("scheduler: dispatching after a completion failed")
 
     def _complete_slice(
-        self, slice_id: int, *, success: bool, seconds: float, error: str | None
+        self,
+        slice_id: int,
+        *,
+        success: bool,
+        seconds: float,
+        error: str | None,
+        exception: TransferError | None = None,
     ) -> None:
         entry = self._running.pop(slice_id, None)
         if entry is None:
             return
         job, piece = entry
         job.seconds += seconds
+        if not success and job.error is None:  # the planner keeps the first failure's text
+            job.exception = exception
         if self._plan.complete(job, piece, success, error):
             self._end(job, ok=job.error is None, error=job.error)
         if not self._running:
