@@ -768,7 +768,7 @@ async def test_a_failed_job_holds_the_backends_error_with_its_type(anyio_backend
     from tiering.engine import TieringEngine
     from tiering.errors import TransferError
 
-    from .test_engine import CHUNK_BYTES, config, kv_caches, keys, spec
+    from .test_engine import CHUNK_BYTES, config, keys, kv_caches, spec
 
     engine = TieringEngine(
         config(),
