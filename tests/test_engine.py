@@ -119,7 +119,8 @@ async def test_stores_skip_present_keys_and_report_no_room(anyio_backend: str) -
         again = await (await engine.submit_store(keys(1, 2), spec([0, 1])))
         assert (again.outcome, again.chunks, again.nbytes) == (JobOutcome.SUCCEEDED, 1, CHUNK_BYTES)
         load = await engine.submit_load(keys(1, 2), spec([5, 6]))
-        full = await (await engine.submit_store(keys(3), spec([3])))  # both chunks pinned
+        # Both chunks pinned by the load, which may land at any checkpoint: no await between.
+        full = await engine.submit_store_nowait(keys(3), spec([3]))
         assert full.outcome is JobOutcome.NO_ROOM
         assert "no room" in (full.error or "")
         assert (await load).success

@@ -276,7 +276,7 @@ async def test_restoring_present_keys_leaves_no_job_behind(anyio_backend: str) -
             )
             assert (await handle).outcome is JobOutcome.SUCCEEDED
         assert engine._events is not None
-        assert engine._events.described == {}
+        assert engine._events.described_jobs == 0
         assert engine.manager._store_jobs == {}
         stats = engine.statistics().manager
         assert (stats.open_store_jobs, stats.open_load_jobs, stats.writing) == (0, 0, 0)

@@ -2,7 +2,8 @@
 
 The contract is `SecondaryTier`; values are namespaced and self-checking
 (`ChunkCodec`, `RemoteNamespace`). `MemoryTier` is the in-process twin used by
-tests. The Redis tier lives in `tiering.secondary.redis` and is imported only
+tests. `SecondaryCascade` joins a CPU tier to one: it writes landed stores through and
+promotes chunks back. The Redis tier lives in `tiering.secondary.redis` and is imported only
 where it is used (it needs the ``redis`` extra).
 """
 
@@ -15,20 +16,30 @@ from tiering.secondary.base import (
     SecondaryTier,
     WriteItem,
 )
+from tiering.secondary.cascade import (
+    CascadeLimits,
+    Promotion,
+    SecondaryCascade,
+    SecondaryTierStatistics,
+)
 from tiering.secondary.codec import ChunkCodec, RemoteNamespace, Verdict, writable_row
 from tiering.secondary.health import HealthGate, TierState
 from tiering.secondary.memory import MemoryStore, MemoryTier
 
 __all__ = [
+    "CascadeLimits",
     "ChunkCodec",
     "HealthGate",
     "Locality",
     "MemoryStore",
     "MemoryTier",
+    "Promotion",
     "ReadItem",
     "RemoteNamespace",
+    "SecondaryCascade",
     "SecondaryStatistics",
     "SecondaryTier",
+    "SecondaryTierStatistics",
     "TierState",
     "Verdict",
     "WriteItem",
