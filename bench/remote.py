@@ -7,9 +7,13 @@ random rows are written and read back in calls of ``--batch`` chunks:
 - ``tier``: `RedisTier.write` and `RedisTier.read` (values carry a header and
   an XXH3 checksum; reads are checked and received into caller-given row
   buffers), on asyncio, the tier's worker threads doing the I/O;
-- ``raw``: the tier's own redis-py client (same connection pool, same socket
-  settings), one pipeline of plain SET or GET of the bare rows per batch, the
-  way the tier pipelines them: what Python can do with this client at all;
+- ``raw``: redis-py's client with the tier's socket settings
+  (`RedisTier.sync_client`), one pipeline of plain SET or GET of the bare rows
+  per batch, the way the tier pipelines them: what Python can do with redis-py
+  at all. Its reads are hiredis's where hiredis is installed, else redis-py's
+  Python parser (the summary line says which): run the bench both ways to
+  compare the tier with each. The tier itself reads the same way either way
+  (its own reader receives each value straight into the caller's row);
 - ``raw-asyncio``: the same pipelines on redis-py's asyncio client, for
   reference (the asyncio-only design the tier did not take);
 - ``raw+xxh3`` (writes): the raw pipelines, each row's XXH3 checksum computed
@@ -24,6 +28,19 @@ raw, per direction and chunk size: of the best runs (``ratio``), and the
 median over the repeats of each repeat's own ratio (``median``: the runs of
 one repeat are neighbours in time, so they share the machine's phase).
 Target: >= 0.7.
+
+Measured on 2 cores, redis-server on the same machine, 6 runs interleaved with
+the code before the tier read replies itself (medians over repeats of
+tier/raw, range then median of the 6; 256 KiB, then 2 MiB):
+
+- raw on redis-py's Python parser: reads 1.77-2.32 (2.11) and 1.29-2.23
+  (2.13), before 1.70-1.88 (1.84) and 1.31-2.21 (1.77); writes 0.77-1.09
+  (0.92) and 0.77-0.93 (0.87), before 0.77-0.92 (0.84) and 0.83-0.93 (0.88);
+- raw on hiredis (bare rows, unchecked): reads 0.71-0.95 (0.91) and
+  0.88-1.03 (0.93), before 0.66-0.82 (0.70) and 0.69-0.76 (0.73), when the
+  tier's reader turned itself off where hiredis was installed; writes
+  1.14-1.33 (1.29) and 1.80-2.38 (2.23), before 0.99-1.22 (1.19) and
+  1.53-2.47 (2.35).
 
     python bench/remote.py [--mib N] [--batch N] [--repeat N] [--json]
 """
@@ -231,6 +248,7 @@ async def run_size(port: int, chunk: int, args: argparse.Namespace) -> list[dict
                 "ratio_to_raw": min(raw_runs) / seconds,
                 "median_ratio": paired,
                 "verified": ok and stats.rejected_total == 0 and stats.errors_total == 0,
+                "raw": raw_client(),
             }
         )
     return out
@@ -274,8 +292,17 @@ def main() -> None:
     print(
         f"tier/raw worst ratio {worst:.2f} (median {worst_median:.2f}; target {TARGET}: "
         f"{verdict}); verified: {all(r['verified'] for r in tier)}; raw writes with the "
-        f"checksum and nothing else: {ceiling:.2f} of raw"
+        f"checksum and nothing else: {ceiling:.2f} of raw; raw: {raw_client()}"
     )
+
+
+def raw_client() -> str:
+    """Which redis-py reads the raw rows: its version, and with hiredis or its own parser."""
+    import redis
+    import redis.utils
+
+    parser = "hiredis" if redis.utils.HIREDIS_AVAILABLE else "its Python parser"
+    return f"redis-py {redis.__version__} with {parser}"
 
 
 if __name__ == "__main__":

@@ -8,24 +8,34 @@ The engine uses a secondary tier two ways:
   about the missing keys (one round trip for the whole request), then
   `SecondaryTier.read` copies the hits into freshly allocated CPU rows.
 
-What every implementation guarantees:
+What every implementation guarantees (tests/secondary/test_secondary_contract.py
+checks each on every tier):
 
 - **Expected outcomes are return values.** A missing chunk, a value that fails
-  a check (`~tiering.secondary.codec.Verdict`), a store that is down or too
-  slow: misses (``False``), or fewer chunks written, all counted in
-  `SecondaryStatistics`. Only programming errors raise: a buffer of the wrong
-  size, a read-only read buffer (`SpecError`), a call after `aclose`
-  (`ResourceClosedError`).
+  a check (`~tiering.secondary.codec.Verdict`), a store that is down, too
+  slow or refusing writes: misses (``False``), or fewer chunks written, all
+  counted in `SecondaryStatistics`. Only programming errors raise: a buffer of
+  the wrong size, a read-only or non-contiguous read buffer (`SpecError`), a
+  call after `aclose` (`ResourceClosedError`).
 - **Nothing waits forever.** Every call ends within the tier's timeout (plus
   scheduling); a call that runs out of time is a failure like any other.
 - **Batched.** A call is one round trip to the store for the whole batch (one
-  per node on a cluster), split only past the tier's batch limits.
+  per node on a cluster), split only past the tier's batch limits; an empty
+  call, or one made while the tier is down and not due to retry, makes none.
 - **Buffers are the caller's again when a call returns**, whatever happened:
   no byte of a read buffer is written, and no byte of a write payload is read,
   after the call has returned or been cancelled.
 - **Values are self-checking** (`~tiering.secondary.codec.ChunkCodec`): a value
-  written by an engine whose bytes differ, under another key, truncated or
-  corrupted is never copied into a buffer.
+  written by an engine whose bytes differ, under another key, truncated,
+  padded or corrupted is never loaded: `read` answers ``False`` for it. One
+  that fails a check of its header is not copied at all; a corrupted payload
+  may have been received into the buffer before its checksum failed (the
+  buffer is then unspecified, as after any ``False``).
+- **Counts add up.** Each thing is counted once, in one place (see
+  `SecondaryStatistics`): every chunk not written in ``write_errors_by_reason``
+  (so they sum to ``write_errors_total``), a refusal in ``refused_*`` and not
+  also as an error, a failed call in ``errors_total``.
+- **Every call is a checkpoint** (trio's rule), even one answered without I/O.
 """
 
 from __future__ import annotations

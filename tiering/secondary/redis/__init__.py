@@ -25,10 +25,12 @@ pools), `tiering.secondary.redis.wire` (a call as one round trip per node, and
 what it answered) and `tiering.secondary.redis.failures` (redis-py's exception
 classes, sorted by what they mean). Why the tier reads replies itself: a value
 is received straight into the caller's row, where redis-py's parsers and
-hiredis copy it two to four times first (``bench/remote.py``: the tier reads
-1.6-2.3 times as fast as redis-py's Python parser and 0.9-1.1 times hiredis,
-which still copies); redis-py keeps what it does well and the tier does not
-need to do itself: the cluster's slot map, and the error classes.
+hiredis copy it once to three times first (``bench/remote.py``: the tier,
+checking and checksumming every value, reads at about 2.1 times redis-py's
+Python parser and 0.9 of hiredis reading bare rows unchecked; hiredis with a
+copy into the row reached 0.7). redis-py keeps what it does well and the tier
+need not redo: the cluster's slot map and its refreshes, and the exception
+classes errors are reported in.
 
 Timeouts, faults and buffers: every socket operation has ``timeout_s``, and
 every call as a whole is abandoned after ``timeout_s`` (the worker thread may

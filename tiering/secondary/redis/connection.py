@@ -292,32 +292,42 @@ class Connection:
     # -- receiving ---------------------------------------------------------------
 
     def _receive(self, guard: Guard | None) -> None:
+        """Receive what the reader asks for: at least one byte, or all of a routed payload."""
         sock = self._sock
         if sock is None:
             raise errors().rx.ConnectionError("Connection closed by server.")
-        try:
-            view = self._reader.buffer()
-        except ProtocolError as exc:
-            self.protocol_error(str(exc))
-        if self._poll_in is None:  # TLS: blocking, never into a caller's row
+        reader = self._reader
+        poll = self._poll_in
+        while True:
             try:
-                got = sock.recv_into(view)
-            except BaseException as exc:
-                self._read_failed(exc)
-        else:
-            with _held(guard):
-                got = self._recv_nowait(sock, view[:PIECE])
-            if got < 0:
+                view = reader.buffer()
+            except ProtocolError as exc:
+                self.protocol_error(str(exc))
+            if poll is None:  # TLS: blocking, never into a caller's row
                 try:
-                    ready = self._poll_in.poll(self._wait_ms())
+                    got = sock.recv_into(view)
+                except BaseException as exc:
+                    self._read_failed(exc)
+            elif guard is None:
+                got = self._recv_nowait(sock, view[:PIECE])
+            else:
+                with guard.lock:
+                    if guard.abandoned:
+                        raise Abandoned
+                    got = self._recv_nowait(sock, view[:PIECE])
+            if got < 0:  # nothing yet: wait for it, outside the guard
+                try:
+                    ready = poll.poll(self._wait_ms())
                 except BaseException as exc:
                     self._read_failed(exc)
                 if not ready:
                     self._read_failed(TimeoutError("timed out"))
+                continue
+            if got == 0:
+                self._read_failed(None)
+            reader.received(got)
+            if not reader.routing:  # the reader has bytes to parse
                 return
-        if got == 0:
-            self._read_failed(None)
-        self._reader.received(got)
 
     def _recv_nowait(self, sock: socket.socket, into: memoryview) -> int:
         try:

@@ -203,6 +203,11 @@ class ReplyReader:
             view = view[n:]
 
     @property
+    def routing(self) -> bool:
+        """Whether `buffer` is a sink's destination now (a routed payload is due)."""
+        return self._left > 0 and self._dest is not None and self._start == self._end
+
+    @property
     def unread(self) -> int:
         """Bytes received and not yet part of a reply given out."""
         return self._end - self._start
