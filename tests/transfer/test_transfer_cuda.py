@@ -23,7 +23,7 @@ from tiering.transfer import (
     get_backend_class,
 )
 from tiering.transfer import cuda as cuda_module
-from tiering.transfer.cuda import StagedCopies, copy_pieces
+from tiering.transfer.staging import StagedCopies, copy_pieces
 
 DIRECTIONS = tuple(TransferDirection)
 cpu = CPULoadStoreSpec

@@ -13,7 +13,10 @@ and a *finisher* thread sleeps on the job's end event (blocking-sync: no
 spinning) and completes the job, in order. Nothing on the submitting thread
 (the caller's event loop) launches a kernel or copies a byte: `submit` only
 builds the job's bound torch calls (views, no CUDA call) and records one event
-on the compute stream. The two threads share no lock: the launcher takes
+on the compute stream. Building them there leaves the launcher only the
+launches: every torch call gives up the GIL and must take it back, which beside
+a busy event loop can wait a whole switch interval (see the ``cpu`` backend,
+which does the same). The two threads share no lock: the launcher takes
 streams and events from per-direction pools that the finisher refills
 (``deque`` appends and pops are atomic). Pageable copies (see Pinning) block
 their launcher thread, never the caller.
@@ -40,16 +43,14 @@ finisher sleeps). A job whose launch raised part-way still records its end
 event, so what it queued finishes before the next job of its direction starts
 and before it is reported (failed).
 
-Batching: per run of consecutive pool slots (a run of chunk ids), a store
-gathers every tensor's pages on the GPU into a staging buffer laid out exactly
-like the pool rows (one ``index_select`` kernel per tensor), then copies the run
-to host memory with one contiguous ``cudaMemcpyAsync``; a load does the
-reverse (one copy in, one ``index_copy_`` kernel per tensor). A slot holds the
-pages of *every* tensor of the group, so even a single-slot run is one large
-DMA: small pages never mean small copies. Runs are cut at the staging capacity
-and at the boundaries of the pinned pieces, so no copy spans two registrations.
-The block ids go to the GPU once per job, into the direction's index buffer.
-The staging and index buffers cost about ``2 x staging_bytes`` of device memory.
+Batching (`staging`): per run of consecutive pool slots, a store gathers every
+tensor's pages on the GPU into a staging buffer laid out like the pool rows
+(one ``index_select`` kernel per tensor), then copies the run to host memory
+with one contiguous ``cudaMemcpyAsync``; a load does the reverse. A slot holds
+the pages of *every* tensor of the group, so even a single-slot run is one
+large DMA: small pages never mean small copies. The block ids go to the GPU
+once per job. The staging and index buffers cost about ``2 x staging_bytes``
+of device memory.
 
 Pinning: the pool (one anonymous mapping, see `memory`) is registered with
 ``cudaHostRegister`` in pieces of at most ``pin_piece_bytes`` (whole rows), in
@@ -67,20 +68,19 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
-import numpy as np
 import torch
 
 from tiering.errors import ConfigError, SpecError
-from tiering.specs import IntArray, LoadStoreSpec
+from tiering.specs import LoadStoreSpec
 from tiering.transfer.base import DEFAULT_MAX_IN_FLIGHT, CompletionCallback
-from tiering.transfer.layout import KVLayout, TransferDirection, TransferPlan, run_bounds
+from tiering.transfer.layout import KVLayout, TransferDirection
 from tiering.transfer.memory import HostMemoryPool
+from tiering.transfer.staging import StagedCopies, StagedProgram, copy_pieces
 from tiering.transfer.worker import PendingCopy, ThreadedBackend, ThreadedJob
 
-__all__ = ["CudaBackend", "HostRegistration", "StagedCopies", "copy_pieces"]
+__all__ = ["CudaBackend", "HostRegistration", "copy_pieces"]
 
 logger = logging.getLogger(__name__)
 
@@ -153,125 +153,16 @@ class HostRegistration:
                 logger.warning("cudaHostUnregister of %d bytes failed: error %d", size, err)
 
 
-def copy_pieces(slots: IntArray, max_slots: int, piece_slots: int) -> list[tuple[int, int]]:
-    """``(start, stop)`` index ranges of ``slots`` that are single DMA copies.
+class _CudaWork:
+    """A job's staged copies, and the event `CudaBackend.admitted` recorded on the
+    compute stream for it (``error``: what recording it raised)."""
 
-    Each range is consecutive in the pool, at most ``max_slots`` long, and does
-    not cross a multiple of ``piece_slots`` (a pinned-piece boundary).
-    """
-    bounds = run_bounds(slots)
-    if len(slots):
-        bounds = np.union1d(bounds, np.flatnonzero(slots % piece_slots == 0))
-    out: list[tuple[int, int]] = []
-    for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
-        out.extend((s, min(b, s + max_slots)) for s in range(a, b, max_slots))
-    return out
+    __slots__ = ("error", "program", "ready")
 
-
-#: A bound torch call of a job.
-_Call = Callable[[], object]
-
-
-class CopyProgram:
-    """A job's copies as bound torch calls, built on the submitting thread.
-
-    ``index_host`` (the job's block ids, on the host) goes to ``index`` (a view
-    of the direction's device index buffer) before the ``calls`` run. ``ready``
-    is the event `CudaBackend.admitted` records on the compute stream;
-    ``error`` is what recording it raised, if anything.
-    """
-
-    __slots__ = ("calls", "error", "index", "index_host", "ready")
-
-    def __init__(
-        self, index_host: torch.Tensor | None, index: torch.Tensor | None, calls: list[_Call]
-    ) -> None:
-        self.index_host = index_host
-        self.index = index
-        self.calls = calls
+    def __init__(self, program: StagedProgram) -> None:
+        self.program = program
         self.ready: torch.cuda.Event | None = None
         self.error: Exception | None = None
-
-
-class StagedCopies:
-    """Compiles a job into staged copies over fixed buffers (see the module docstring).
-
-    Device-agnostic: it only makes views and binds calls, so it runs on CPU
-    tensors too (a test checks its bytes there). ``host`` is the pool as a flat
-    tensor of the layout's words; ``staging`` and ``index`` hold, per direction,
-    a buffer of ``stage_slots`` slots and one of at least `max_blocks` int64 ids.
-    """
-
-    def __init__(
-        self,
-        layout: KVLayout,
-        host: torch.Tensor,
-        staging: dict[TransferDirection, torch.Tensor],
-        index: dict[TransferDirection, torch.Tensor],
-        *,
-        stage_slots: int,
-        piece_slots: int,
-    ) -> None:
-        self.layout = layout
-        self._host = host
-        self._staging = staging
-        self._index = index
-        self._stage_slots = stage_slots
-        self._piece_slots = piece_slots
-        self._slot_words = layout.slot_bytes // layout.word_bytes
-        self._kv = [layout.kv_view(i) for i in range(len(layout.tensors))]
-        w, sw = layout.word_bytes, self._slot_words
-        # Each tensor's columns of the staging rows: its pages, as in a pool slot.
-        self._columns = {
-            d: [
-                buffer[: stage_slots * sw]
-                .view(stage_slots, sw)
-                .narrow(1, layout.page_offsets[t] // w, kv.shape[1])
-                for t, kv in enumerate(self._kv)
-            ]
-            for d, buffer in staging.items()
-        }
-
-    @staticmethod
-    def max_blocks(layout: KVLayout) -> int:
-        """The most block ids one job can name (each block of each group once)."""
-        return sum(layout.group_num_blocks)
-
-    def compile(self, plan: TransferPlan) -> CopyProgram:
-        """The copies of ``plan`` as bound calls, moving nothing yet."""
-        groups = [g for g in plan.groups if len(g.blocks)]
-        if not groups:
-            return CopyProgram(None, None, [])
-        d = plan.direction
-        ids = np.concatenate([g.blocks for g in groups]).astype(np.int64, copy=False)
-        index = self._index[d].narrow(0, 0, len(ids))
-        staging, columns = self._staging[d], self._columns[d]
-        store = d is TransferDirection.STORE
-        sw = self._slot_words
-        calls: list[_Call] = []
-        first = 0
-        for group in groups:
-            blocks = index.narrow(0, first, len(group.blocks))
-            first += len(group.blocks)
-            tensors = self.layout.group_tensors[group.group]
-            slots = group.slots
-            for a, b in copy_pieces(slots, self._stage_slots, self._piece_slots):
-                n = b - a
-                stage = staging.narrow(0, 0, n * sw)
-                host = self._host.narrow(0, int(slots[a]) * sw, n * sw)
-                piece = blocks.narrow(0, a, n)
-                if store:
-                    for t in tensors:
-                        out = columns[t].narrow(0, 0, n)
-                        calls.append(partial(torch.index_select, self._kv[t], 0, piece, out=out))
-                    calls.append(partial(host.copy_, stage, non_blocking=True))
-                else:
-                    calls.append(partial(stage.copy_, host, non_blocking=True))
-                    for t in tensors:
-                        calls.append(
-                            partial(self._kv[t].index_copy_, 0, piece, columns[t].narrow(0, 0, n))
-                        )
-        return CopyProgram(torch.from_numpy(ids), index, calls)
 
 
 class _CudaCopy(PendingCopy):
@@ -419,12 +310,13 @@ class CudaBackend(ThreadedBackend):
         if copies is None:  # closed meanwhile: admission refuses it next
             return ThreadedJob(job_id, TransferDirection.STORE, None, src, dst)
         plan = self.layout.plan(src, dst, self.num_chunks)
-        return ThreadedJob(job_id, plan.direction, plan, src, dst, copies.compile(plan))
+        work = _CudaWork(copies.compile(plan))
+        return ThreadedJob(job_id, plan.direction, plan, src, dst, work)
 
     def admitted(self, job: ThreadedJob) -> None:
         """Mark the compute stream: the job's copies wait for the work queued there so far."""
-        program = job.work
-        if not isinstance(program, CopyProgram):
+        work = job.work
+        if not isinstance(work, _CudaWork):
             return
         try:
             try:
@@ -432,24 +324,24 @@ class CudaBackend(ThreadedBackend):
             except IndexError:
                 ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ready.record(self._compute_stream or torch.cuda.current_stream(self.device))
-            program.ready = ready
+            work.ready = ready
         except Exception as exc:  # the job is admitted: it fails in order, in the launcher
-            program.error = exc
+            work.error = exc
 
     # -- launcher thread ------------------------------------------------------
 
     def execute(self, job: ThreadedJob) -> PendingCopy | None:
-        program = job.work
-        if not isinstance(program, CopyProgram):
+        work = job.work
+        if not isinstance(work, _CudaWork):
             return None
-        if program.error is not None:
-            raise program.error
+        if work.error is not None:
+            raise work.error
         d = job.direction
         with torch.cuda.device(self.device):
             stream = self._take_stream(d)
-            if program.ready is not None:
-                stream.wait_event(program.ready)
-                self._ready.append(program.ready)  # re-recording it cannot undo the wait
+            if work.ready is not None:
+                stream.wait_event(work.ready)
+                self._ready.append(work.ready)  # re-recording it cannot undo the wait
             previous = self._last_end[d]
             if previous is not None:
                 stream.wait_event(previous)
@@ -458,7 +350,7 @@ class CudaBackend(ThreadedBackend):
             with torch.cuda.stream(stream):
                 start.record(stream)
                 try:
-                    self._enqueue(program)
+                    self._enqueue(work.program)
                 except Exception as exc:  # what was queued still runs; the job fails
                     error = exc
                 finally:
@@ -466,7 +358,7 @@ class CudaBackend(ThreadedBackend):
             self._last_end[d] = end
         return _CudaCopy(self, d, stream, start, end, error)
 
-    def _enqueue(self, program: CopyProgram) -> None:
+    def _enqueue(self, program: StagedProgram) -> None:
         """Queue the copies of ``program`` on the current stream."""
         if program.index is not None and program.index_host is not None:
             ids = program.index_host
