@@ -27,7 +27,7 @@ from tiering import (
 from tiering.engine import PrefixLookup, TieringEngine, kv_cache_tensors
 from tiering.scheduler import LATENCY_BUCKETS, JobOutcome, SchedulerLimits
 from tiering.specs import GPULoadStoreSpec
-from tiering.transfer import KVCacheTensor
+from tiering.transfer import KVCacheTensor, KVLayout
 from tiering.transfer.mock import MockBackend
 
 pytestmark = pytest.mark.anyio
@@ -458,6 +458,18 @@ def test_a_list_of_kv_cache_tensors_is_taken_as_it_is() -> None:
     mapped = TieringEngine(config(), kv_caches(), cpu_bytes=1 << 20)
     assert engine.layout.row_bytes == mapped.layout.row_bytes == CHUNK_BYTES
     assert [t.tensor for t in engine.layout.tensors] == [t.tensor for t in registered]
+
+
+def test_the_layout_is_built_from_the_configs_groups() -> None:
+    kv = kv_caches()
+    layout = KVLayout.from_kv_caches(config(2), kv)
+    assert layout.blocks_per_chunk == 2
+    assert [t.tensor for t in layout.tensors] == [kv["k"], kv["v"]]  # the groups' order
+    assert layout.row_bytes == 2 * CHUNK_BYTES
+    with pytest.raises(ConfigError, match=r"no KV cache tensor for layer 'v' of group 0"):
+        KVLayout.from_kv_caches(config(), {"k": kv["k"]})
+    with pytest.raises(ConfigError, match=r"tensors \['w'\] belong to no group"):
+        KVLayout.from_kv_caches(config(), {**kv, "w": kv["k"]})
 
 
 def test_a_layer_that_is_no_tensor_is_refused() -> None:

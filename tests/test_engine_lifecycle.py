@@ -28,7 +28,7 @@ from tiering.secondary import Locality, MemoryTier, RemoteNamespace, WriteItem
 from tiering.specs import GPULoadStoreSpec
 from tiering.transfer import HostMemoryPool
 
-from .test_engine import CHUNK_BYTES, config, keys, kv_caches
+from .test_engine import CHUNK_BYTES, config, keys, kv_caches, mock
 
 pytestmark = pytest.mark.anyio
 
@@ -269,3 +269,27 @@ async def test_an_error_in_the_body_closes_the_engine_and_passes_through(
     assert stats.manager.pinned == 0
     assert stats.secondary is not None
     assert stats.secondary.cascade_queued == stats.secondary.cascade_written == 1
+
+
+async def test_a_store_that_lands_while_closing_is_not_written_through(anyio_backend: str) -> None:
+    engine = TieringEngine(
+        config(),
+        kv_caches(),
+        cpu_bytes=8 * CHUNK_BYTES,
+        backend="mock",
+        backend_options={"gated": True},
+        secondary=MemoryTier,
+    )
+    async with engine:
+        backend = mock(engine)
+        handle = await engine.submit_store(keys(1), GPULoadStoreSpec([0]))  # held at the gate
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(engine.aclose)
+            await wait_all_tasks_blocked()  # the close waits for the running store
+            assert engine.statistics().state == "closing"
+            backend.open_gate()
+        assert (await handle).success  # it landed, as the scheduler closed
+    stats = engine.statistics().secondary
+    assert stats is not None
+    assert (stats.cascade_queued, stats.cascade_dropped, stats.cascade_written) == (0, 1, 0)
+    assert engine.manager.statistics().pinned == 0

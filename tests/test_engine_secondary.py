@@ -12,7 +12,7 @@ from tiering.engine import Promotion, TieringEngine
 from tiering.errors import ChunkStateError, SpecError
 from tiering.events import BlockStored, ChunkBlocks, SequencedBatch
 from tiering.scheduler import JobOutcome
-from tiering.secondary import Locality, MemoryStore, MemoryTier, RemoteNamespace
+from tiering.secondary import CascadeLimits, Locality, MemoryStore, MemoryTier, RemoteNamespace
 from tiering.specs import GPULoadStoreSpec
 
 from .test_engine import CHUNK_BYTES, config, keys, kv_caches
@@ -167,6 +167,21 @@ async def test_cascade_chunks_can_be_set_and_is_checked(anyio_backend: str) -> N
         finally:
             tier.resume()
         await settle(engine, 2)
+
+
+def test_cascade_queue_is_checked_and_the_limits_are_one_record() -> None:
+    for bad in (0, -1, True, 2.0):
+        with pytest.raises(ConfigError, match=r"cascade_queue must be a positive integer"):
+            engine_over(MemoryStore(), cascade_queue=bad)
+    assert CascadeLimits(cascade_chunks=3).max_pinned(8) == 3
+    assert CascadeLimits().max_pinned(8) == 4  # half the CPU tier
+    assert CascadeLimits().max_pinned(1) == 1
+    with pytest.raises(ConfigError, match=r"from 1 to the CPU tier's 8 chunks, got 9"):
+        CascadeLimits(cascade_chunks=9).max_pinned(8)
+    engine, _ = engine_over(MemoryStore(), chunks=8, cascade_queue=3, cascade_chunks=2)
+    assert engine._secondary is not None
+    assert engine._secondary.limits == CascadeLimits(cascade_queue=3, cascade_chunks=2)
+    assert "0/2 pinned" in repr(engine._secondary)
 
 
 async def test_a_chunk_being_written_through_is_not_evicted(anyio_backend: str) -> None:

@@ -252,8 +252,21 @@ class TieringEngine:
         )
         self._secondary: SecondaryCascade | None = None
         if secondary is not None:
-            self._secondary = self._cascade_to(
-                secondary, CascadeLimits(cascade_queue=cascade_queue, cascade_chunks=cascade_chunks)
+            tier = secondary if isinstance(secondary, SecondaryTier) else secondary(self.namespace)
+            on_written = None
+            if self._events is not None:
+                on_written = functools.partial(
+                    self._events.publish_stored_below,
+                    medium=tier.medium,
+                    locality=str(tier.locality),
+                )
+            self._secondary = SecondaryCascade(
+                tier,
+                self.manager,
+                self._row,
+                row_bytes=self.layout.row_bytes,
+                limits=CascadeLimits(cascade_queue=cascade_queue, cascade_chunks=cascade_chunks),
+                on_written=on_written,
             )
         self.scheduler = Scheduler(
             self.manager,
@@ -271,26 +284,6 @@ class TieringEngine:
         self._pool: HostMemoryPool | None = None
         self._backend: TransferBackend | None = None
         self._state = _State.NEW
-
-    def _cascade_to(
-        self,
-        secondary: SecondaryTier | Callable[[RemoteNamespace], SecondaryTier],
-        limits: CascadeLimits,
-    ) -> SecondaryCascade:
-        tier = secondary if isinstance(secondary, SecondaryTier) else secondary(self.namespace)
-        events = self._events
-        return SecondaryCascade(
-            tier,
-            self.manager,
-            self._row,
-            row_bytes=self.layout.row_bytes,
-            limits=limits,
-            on_written=None
-            if events is None
-            else functools.partial(
-                events.publish_stored_below, medium=tier.medium, locality=str(tier.locality)
-            ),
-        )
 
     # -- life -----------------------------------------------------------------
 
