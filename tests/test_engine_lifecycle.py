@@ -22,6 +22,7 @@ from anyio import wait_all_tasks_blocked
 
 from tiering.config import OffloadingConfig
 from tiering.engine import TieringEngine
+from tiering.errors import ResourceClosedError
 from tiering.events import BlockStored, KVEventBatch, SequencedBatch
 from tiering.events.bus import EventBus
 from tiering.secondary import Locality, MemoryTier, RemoteNamespace, WriteItem
@@ -293,3 +294,36 @@ async def test_a_store_that_lands_while_closing_is_not_written_through(anyio_bac
     assert stats is not None
     assert (stats.cascade_queued, stats.cascade_dropped, stats.cascade_written) == (0, 1, 0)
     assert engine.manager.statistics().pinned == 0
+
+
+@pytest.mark.parametrize("secondary", [False, True], ids=["cpu-tier", "secondary-tier"])
+async def test_an_open_that_fails_releases_what_it_took_and_raises_as_it_came(
+    anyio_backend: str, secondary: bool
+) -> None:
+    engine = TieringEngine(
+        events_on(),
+        kv_caches(),
+        cpu_bytes=8 * CHUNK_BYTES,
+        backend="mock",
+        backend_options={"no_such_option": 1},  # the backend, built last, refuses it
+        secondary=MemoryTier if secondary else None,
+    )
+
+    async def open_it() -> None:
+        async with engine:
+            pytest.fail("the body of a failed open ran")
+
+    with pytest.raises(TypeError, match="no_such_option"):  # not wrapped in a group
+        await open_it()
+    stats = engine.statistics()
+    assert stats.state == "new"
+    assert stats.pool is not None
+    assert stats.pool.closed
+    assert stats.events is not None
+    with pytest.raises(ResourceClosedError):
+        engine.subscribe()
+    if secondary:
+        assert stats.secondary is not None
+        assert stats.secondary.tier.state == "closed"
+    await engine.aclose()
+    assert engine.statistics().state == "closed"
