@@ -300,6 +300,7 @@ class Scheduler:
         slice_id = next(self._slice_ids)
         src, dst = (piece.gpu, piece.cpu) if job.kind is JobKind.STORE else (piece.cpu, piece.gpu)
         error: str | None = None
+        failure: TransferError | None = None
         try:
             backend.submit(slice_id, src, dst)
         except CapacityError:
@@ -309,8 +310,6 @@ class Scheduler:
         except Exception as exc:  # a spec the backend refuses: the job fails, we go on
             error = f"{type(exc).__name__}: {exc}"
             failure = exc if isinstance(exc, TransferError) else None
-        else:
-            failure = None
         self._running[slice_id] = (job, piece)
         if error is not None:
             self._complete_slice(
