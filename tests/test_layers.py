@@ -19,6 +19,7 @@ PACKAGE = Path(tiering.__file__).resolve().parent
 LAYERS: dict[str, float] = {
     "errors": 0,
     "_types": 0,
+    "_state": 0,
     "config": 1,
     "specs": 1,
     "cpu.common": 1,

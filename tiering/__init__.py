@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib as _importlib
 import typing as _typing
 
+from tiering._state import ResourceState
 from tiering._types import (
     Medium,
     OffloadKey,
@@ -136,6 +137,7 @@ __all__ = [
     "PrefixLookup",
     "PrepareStoreOutput",
     "ResourceClosedError",
+    "ResourceState",
     "SchedulerLimits",
     "SimulationResult",
     "SpecError",

@@ -27,7 +27,6 @@ only if it was opened.
 from __future__ import annotations
 
 import contextlib
-import enum
 import functools
 import itertools
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -40,6 +39,7 @@ import anyio.lowlevel
 import msgspec
 import torch
 
+from tiering._state import ResourceState
 from tiering._types import OffloadKey
 from tiering.config import DEFAULT_POLICY, OffloadingConfig
 from tiering.cpu.common import CPUOffloadingInfo
@@ -116,13 +116,6 @@ class EngineStatistics(msgspec.Struct, frozen=True, kw_only=True):
     pool: PoolStatistics | None
     events: EventStatistics | None = None  # None unless enable_kv_cache_events
     secondary: SecondaryTierStatistics | None = None  # None without a secondary tier
-
-
-class _State(enum.Enum):
-    NEW = "new"
-    OPEN = "open"
-    CLOSING = "closing"
-    CLOSED = "closed"
 
 
 def kv_cache_tensors(
@@ -283,7 +276,7 @@ class TieringEngine:
         self._closed: anyio.Event | None = None  # set once a close has finished
         self._pool: HostMemoryPool | None = None
         self._backend: TransferBackend | None = None
-        self._state = _State.NEW
+        self._state = ResourceState.NEW
 
     # -- life -----------------------------------------------------------------
 
@@ -305,7 +298,7 @@ class TieringEngine:
 
     async def __aenter__(self) -> Self:
         await anyio.lowlevel.checkpoint()  # before anything is acquired: a cancel leaves it new
-        if self._state is not _State.NEW:
+        if self._state is not ResourceState.NEW:
             raise ResourceClosedError(f"the engine is {self._state.value}; an engine opens once")
         self._closed = anyio.Event()
         events, secondary = self._events, self._secondary
@@ -333,7 +326,7 @@ class TieringEngine:
             self.scheduler.open()
             stack.push_async_callback(self.aclose)  # on exit: close first, then the task group
             self._stack = stack.pop_all()
-        self._state = _State.OPEN
+        self._state = ResourceState.OPEN
         return self
 
     async def __aexit__(
@@ -351,30 +344,30 @@ class TieringEngine:
     async def aclose(self) -> None:
         """Queued jobs end cancelled, running ones finish, host memory is freed. Idempotent;
         any task may call it."""
-        if self._state is _State.NEW:
-            self._state = _State.CLOSED
+        if self._state is ResourceState.NEW:
+            self._state = ResourceState.CLOSED
             if self._secondary is not None:  # built by the engine's factory: the engine's to close
                 await self._secondary.aclose()
             await anyio.lowlevel.checkpoint()
             return
-        if self._state is not _State.OPEN:
+        if self._state is not ResourceState.OPEN:
             if self._closed is not None:
                 await self._closed.wait()  # a close in progress: wait until it is whole
             else:
                 await anyio.lowlevel.checkpoint()
             return
-        self._state = _State.CLOSING
+        self._state = ResourceState.CLOSING
         try:
             await self._closers.aclose()
         finally:
-            self._state = _State.CLOSED
+            self._state = ResourceState.CLOSED
             if self._closed is not None:
                 self._closed.set()
 
     @property
     def backend(self) -> TransferBackend:
         """The transfer backend (while the engine is open or closing)."""
-        if self._backend is None or self._state not in (_State.OPEN, _State.CLOSING):
+        if self._backend is None or self._state not in (ResourceState.OPEN, ResourceState.CLOSING):
             raise ResourceClosedError(f"the engine is {self._state.value}; no backend")
         return self._backend
 
@@ -401,7 +394,7 @@ class TieringEngine:
     # -- jobs -----------------------------------------------------------------
 
     def _check_open(self) -> None:
-        if self._state is not _State.OPEN:
+        if self._state is not ResourceState.OPEN:
             raise ResourceClosedError(f"the engine is {self._state.value}; open it with async with")
 
     def submit_store_nowait(

@@ -19,7 +19,6 @@ twice, and its counts include subscriptions already closed, so they only grow.
 
 from __future__ import annotations
 
-import enum
 import weakref
 from collections import deque
 from collections.abc import Iterable
@@ -30,6 +29,7 @@ import anyio.lowlevel
 import msgspec
 from anyio.abc import AsyncResource
 
+from tiering._state import ResourceState
 from tiering.errors import ConfigError, ResourceClosedError
 from tiering.events.schema import EventItem, Gap, KVEventBatch, SequencedBatch
 
@@ -72,10 +72,8 @@ class EventSink(Protocol):
         """Flush within a bounded time and release everything; idempotent. May block."""
 
 
-class BusState(enum.Enum):
-    OPEN = "open"
-    CLOSING = "closing"
-    CLOSED = "closed"
+#: The bus's state (the one lifecycle of `tiering._state`).
+BusState = ResourceState
 
 
 class EventSubscription(AsyncResource):

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import enum
 import itertools
 import logging
 import threading
@@ -55,6 +54,7 @@ from typing import overload
 import msgspec
 import zmq
 
+from tiering._state import ResourceState
 from tiering.errors import ConfigError, ResourceClosedError
 from tiering.events.bus import SinkStatistics
 from tiering.events.config import KVEventsConfig, wildcard_of
@@ -81,10 +81,8 @@ def should_bind(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
-class PublisherState(enum.Enum):
-    OPEN = "open"
-    CLOSING = "closing"
-    CLOSED = "closed"
+#: The publisher's state (the one lifecycle of `tiering._state`).
+PublisherState = ResourceState
 
 
 class _Seqs(Sequence[int]):

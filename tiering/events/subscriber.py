@@ -34,7 +34,6 @@ stream and an endpoint nobody serves look the same otherwise.
 
 from __future__ import annotations
 
-import enum
 import socket
 from collections import deque
 
@@ -44,6 +43,7 @@ import msgspec
 import zmq
 from anyio.abc import AsyncResource
 
+from tiering._state import ResourceState
 from tiering.errors import ConfigError, ResourceClosedError
 from tiering.events.config import check_endpoint
 from tiering.events.monitor import PeerEvent, PeerMonitor
@@ -64,9 +64,8 @@ class SubscriberStatistics(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     replay_requests_total: int
 
 
-class SubscriberState(enum.Enum):
-    OPEN = "open"
-    CLOSED = "closed"
+#: The subscriber's state (the one lifecycle of `tiering._state`).
+SubscriberState = ResourceState
 
 
 def _check_host(endpoint: str, what: str) -> None:

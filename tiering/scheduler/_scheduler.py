@@ -26,7 +26,6 @@ Design note: what the shell does, and what it leaves to the planner.
 
 from __future__ import annotations
 
-import enum
 import itertools
 import logging
 from collections import deque
@@ -37,6 +36,7 @@ import anyio
 import anyio.lowlevel
 import numpy as np
 
+from tiering._state import ResourceState
 from tiering._types import OffloadKey
 from tiering.cpu.manager import CPUOffloadingManager
 from tiering.errors import CapacityError, ResourceClosedError, TransferError
@@ -61,12 +61,6 @@ __all__ = ["Scheduler"]
 logger = logging.getLogger(__name__)
 
 _NO_ROOM = "no room in the CPU tier: every chunk is pinned, being written or offered by this store"
-
-
-class _State(enum.Enum):
-    OPEN = "open"
-    CLOSING = "closing"
-    CLOSED = "closed"
 
 
 class Scheduler:
@@ -109,8 +103,7 @@ class Scheduler:
         self._slice_ids = itertools.count()
         self._running: dict[int, tuple[_Job, Slice]] = {}  # backend job id -> slice
         self._stores: dict[int, _Job] = {}  # store jobs not finished (for flush)
-        self._state = _State.CLOSED
-        self._opened = False
+        self._state = ResourceState.NEW
         self._idle = anyio.Event()  # set when no slice is at the backend
         self._closed = anyio.Event()
         self._token: anyio.lowlevel.EventLoopToken | None = None
@@ -132,22 +125,21 @@ class Scheduler:
 
     def open(self) -> None:
         """Start: build the backend, bound to the running event loop."""
-        if self._opened:
+        if self._state is not ResourceState.NEW:
             raise ResourceClosedError("a scheduler is opened once; build a new one")
-        self._opened = True
         self._token = anyio.lowlevel.current_token()
         self._backend = self._backend_factory(self._from_backend)
-        self._state = _State.OPEN
+        self._state = ResourceState.OPEN
 
     async def aclose(self) -> None:
         """Cancel queued jobs, let running ones finish, close the backend. Idempotent."""
-        if self._state is not _State.OPEN:
-            if self._state is _State.CLOSING:
+        if self._state is not ResourceState.OPEN:
+            if self._state is ResourceState.CLOSING:
                 await self._closed.wait()
             else:
                 await anyio.lowlevel.checkpoint()
             return
-        self._state = _State.CLOSING
+        self._state = ResourceState.CLOSING
         try:
             for job in self._plan.unstarted():
                 self._cancel(job)
@@ -165,7 +157,7 @@ class Scheduler:
                     await anyio.to_thread.run_sync(backend.close)
             self._drain_inbox()
             self._abandon("the scheduler closed before the job could finish")
-            self._state = _State.CLOSED
+            self._state = ResourceState.CLOSED
             self._closed.set()
 
     def _abandon(self, reason: str) -> None:
@@ -181,7 +173,7 @@ class Scheduler:
     # -- submission ----------------------------------------------------------
 
     def _check_open(self) -> None:
-        if self._state is not _State.OPEN:
+        if self._state is not ResourceState.OPEN:
             raise ResourceClosedError(f"the scheduler is {self._state.value}; no new jobs")
 
     def submit_nowait(

@@ -22,7 +22,6 @@ failures).
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
 import time
@@ -34,6 +33,7 @@ from typing import ClassVar
 
 import msgspec
 
+from tiering._state import ResourceState
 from tiering.errors import (
     CapacityError,
     CopyFailedError,
@@ -117,10 +117,8 @@ class BackendStatistics(msgspec.Struct, frozen=True, kw_only=True):
         return self.stores.failed + self.loads.failed
 
 
-class BackendState(enum.Enum):
-    OPEN = "open"
-    CLOSING = "closing"
-    CLOSED = "closed"
+#: A backend's state (the one lifecycle of `tiering._state`).
+BackendState = ResourceState
 
 
 class TransferBackend(ABC):

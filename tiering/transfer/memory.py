@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
-import enum
 import logging
 import mmap
 import os
@@ -28,6 +27,7 @@ import msgspec
 import numpy as np
 import torch
 
+from tiering._state import ResourceState
 from tiering.errors import CapacityError, ResourceClosedError
 
 __all__ = ["HostMemoryPool", "PoolStatistics", "available_host_bytes"]
@@ -46,11 +46,6 @@ class PoolStatistics(msgspec.Struct, frozen=True, kw_only=True):
     resident_bytes: int | None  # None unless asked for: measuring scans the whole region
     shared: bool
     closed: bool
-
-
-class _State(enum.Enum):
-    OPEN = "open"
-    CLOSED = "closed"
 
 
 def available_host_bytes(shm_dir: str | None = None) -> int:
@@ -135,7 +130,7 @@ class HostMemoryPool:
             self._mmap, dtype=torch.uint8, count=nbytes
         )
         self.data_ptr: int = self._tensor.data_ptr()
-        self._state = _State.OPEN
+        self._state = ResourceState.OPEN
 
     def _map_file(self, path: str, create: bool, flags: int) -> mmap.mmap:
         if create:
@@ -161,7 +156,7 @@ class HostMemoryPool:
 
     @property
     def closed(self) -> bool:
-        return self._state is _State.CLOSED
+        return self._state is ResourceState.CLOSED
 
     @property
     def shared(self) -> bool:
@@ -182,7 +177,7 @@ class HostMemoryPool:
     def resident_bytes(self) -> int:
         """Bytes of the pool in RAM now (pages counted by ``mincore``); 0 once closed."""
         with self._lock:
-            if self._state is _State.CLOSED:
+            if self._state is ResourceState.CLOSED:
                 return 0
             return _resident_bytes(self.data_ptr, self.mapped_bytes)
 
@@ -203,9 +198,9 @@ class HostMemoryPool:
         last view is garbage-collected (a view never points at unmapped memory).
         """
         with self._lock:
-            if self._state is _State.CLOSED:
+            if self._state is ResourceState.CLOSED:
                 return
-            self._state = _State.CLOSED
+            self._state = ResourceState.CLOSED
             self._tensor = None
             mm = self._mmap
             del self._mmap
