@@ -135,12 +135,15 @@ async def test_the_scheduler_awaitables_yield(engine: TieringEngine) -> None:
     scheduler = engine.scheduler
     assert (await (await engine.submit_store(_keys(5), GPULoadStoreSpec([5])))).success
 
-    async def calls() -> None:
-        await scheduler.flush([1, 2, 3])  # no store reads them
+    _assert_yields(await _turns_during(lambda: scheduler.flush([1, 2, 3])))  # none reads them
+
+    async def load() -> None:
+        # Few: with the counting task always runnable, trio's loop holds the GIL
+        # and the backend thread completes each load slowly.
         handle = await engine.submit_load(_keys(5), GPULoadStoreSpec([6]))
         await handle
 
-    _assert_yields(await _turns_during(calls))
+    _assert_yields(await _turns_during(load, 6), 6)
 
 
 async def test_flush_with_no_store_in_flight_yields(engine: TieringEngine) -> None:
@@ -149,6 +152,20 @@ async def test_flush_with_no_store_in_flight_yields(engine: TieringEngine) -> No
 
 async def test_promote_without_a_secondary_tier_yields(engine: TieringEngine) -> None:
     _assert_yields(await _turns_during(lambda: engine.promote(_keys(1, 2))))
+
+
+async def test_waiting_for_write_throughs_when_none_is_queued_yields() -> None:
+    async with TieringEngine(
+        _config(),
+        _kv(),
+        cpu_bytes=4 * ROW_BYTES,
+        backend="mock",
+        prefault=False,
+        secondary=MemoryTier,
+    ) as engine:
+        _assert_yields(await _turns_during(engine.wait_written_through))
+    engine = TieringEngine(_config(), _kv(), cpu_bytes=4 * ROW_BYTES, backend="mock")
+    _assert_yields(await _turns_during(engine.wait_written_through))
 
 
 async def test_closing_again_yields() -> None:

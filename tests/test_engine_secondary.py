@@ -51,14 +51,13 @@ def memory_tier(engine: TieringEngine) -> MemoryTier:
 
 
 async def settle(engine: TieringEngine, written: int) -> None:
-    """Wait until the cascade has written ``written`` chunks."""
+    """Wait until the write-throughs of the landed stores have ended: ``written`` chunks."""
     with anyio.fail_after(10):
-        while True:
-            stats = engine.statistics().secondary
-            assert stats is not None
-            if stats.cascade_written + stats.cascade_failed >= written:
-                return
-            await anyio.sleep(0.01)
+        await engine.wait_written_through()
+    stats = engine.statistics().secondary
+    assert stats is not None
+    assert stats.cascade_written + stats.cascade_failed >= written
+    assert stats.cascade_pinned == 0
 
 
 async def written_through(*ids: int) -> MemoryStore:
@@ -302,9 +301,8 @@ async def test_a_reset_waits_for_write_throughs(anyio_backend: str) -> None:
             assert (await (await engine.submit_store(keys(1), GPULoadStoreSpec([0])))).success
             with pytest.raises(ChunkStateError, match="written through"):
                 engine.reset()
-            with anyio.fail_after(10):
-                while not tier.statistics().write_calls:  # the write has started (and waits)
-                    await anyio.sleep(0.01)
+            await anyio.wait_all_tasks_blocked()  # the write has started, and waits
+            assert tier.statistics().write_calls == 1
             with pytest.raises(ChunkStateError, match="written through"):
                 engine.reset(force=True)  # a write in progress reads the tier's rows
         finally:
@@ -331,7 +329,8 @@ async def test_closing_from_another_task_and_cancelling_release_every_pin(
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(close_elsewhere)
-            await anyio.sleep(0.05)
+            await anyio.wait_all_tasks_blocked()  # the close waits for the paused writes
+            assert not closed.is_set()
             tier.resume()
         assert closed.is_set()
     stats = engine.statistics().secondary
@@ -342,13 +341,15 @@ async def test_closing_from_another_task_and_cancelling_release_every_pin(
 
 async def test_a_cancelled_owner_releases_every_pin(anyio_backend: str) -> None:
     engine, _ = engine_over(MemoryStore(), chunks=16)
-    with anyio.move_on_after(0.5):
+    with anyio.CancelScope() as owner:
         async with engine:
             tier = memory_tier(engine)
             tier.pause()  # writes wait for their timeout; the owner is cancelled first
             for i in range(4):
                 assert (await (await engine.submit_store(keys(i), GPULoadStoreSpec([i])))).success
-            await anyio.sleep(10)
+            await anyio.wait_all_tasks_blocked()  # a write waits on the paused tier
+            owner.cancel()
+            await anyio.sleep_forever()
     stats = engine.statistics().secondary
     assert stats is not None
     assert engine.statistics().state == "closed"

@@ -55,7 +55,7 @@ async def test_stored_minus_removed_is_what_the_tier_holds(
             yield
             # Every request is done; wait until the last batch is published and read.
             while engine.manager.statistics().events_pending or batches[0] < published(engine):
-                await anyio.sleep(0.01)
+                await anyio.wait_all_tasks_blocked()  # the last batch is published and read
             in_tier.append(engine.manager.statistics().used)
             tg.cancel_scope.cancel()
 

@@ -464,6 +464,16 @@ class TieringEngine:
         row = self.layout.row_bytes
         return writable_row(self._pool.tensor[chunk_id * row : (chunk_id + 1) * row].numpy(), row)
 
+    async def wait_written_through(self) -> None:
+        """Return once every write-through queued so far has been written to the
+        secondary tier or counted as not written (nothing stays pinned for it): before
+        a `reset`, or to read the secondary tier's statistics after a burst of stores.
+        A checkpoint; returns at once without a secondary tier."""
+        if self._secondary is None:
+            await anyio.lowlevel.checkpoint()
+            return
+        await self._secondary.wait_idle()
+
     async def promote(self, keys: Sequence[OffloadKey], start: int = 0) -> Promotion:
         """Bring the chunks after the first ``start`` of ``keys`` in from the secondary tier.
 

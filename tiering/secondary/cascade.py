@@ -143,6 +143,7 @@ class SecondaryCascade:
         self._jobs = itertools.count()
         self._generation = 0  # bumped by a reset: queued writes of older ones are void
         self._pending = 0  # chunks queued or being written
+        self._idle: anyio.Event | None = None  # made by a waiter; set when nothing is pending
         self._writing = 0  # chunks whose rows a write is reading now
         self._queued = self._written = self._dropped = self._failed = 0
         self._promoted = self._promote_failed = 0
@@ -179,6 +180,17 @@ class SecondaryCascade:
         with anyio.CancelScope(shield=True):
             await self.stop()
             await self.tier.aclose()
+
+    async def wait_idle(self) -> None:
+        """Return once no write-through is queued or being written (a checkpoint even
+        when none is): every landed store so far has been written through or counted
+        as not written."""
+        if not self._pending:
+            await anyio.lowlevel.checkpoint()
+            return
+        if self._idle is None:
+            self._idle = anyio.Event()
+        await self._idle.wait()
 
     # -- write-through ----------------------------------------------------------
 
@@ -252,6 +264,9 @@ class SecondaryCascade:
         self._pending -= len(keys)
         self._written += written
         self._failed += len(keys) - written
+        if not self._pending and self._idle is not None:
+            self._idle.set()
+            self._idle = None
 
     # -- resets -----------------------------------------------------------------
 
