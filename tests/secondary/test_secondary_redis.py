@@ -6,6 +6,7 @@ what is Redis's own."""
 from __future__ import annotations
 
 import sys
+import threading
 from typing import Any
 
 import anyio
@@ -72,6 +73,60 @@ async def test_rediss_writes_and_reads_byte_for_byte_over_tls(
         again = chunks.buffers(4)
         assert await plain.read(items(keys[:4], again)) == [True] * 4
         assert all(np.array_equal(r, b) for r, b in zip(rows[:4], again, strict=True))
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["tcp", "tls"])
+async def test_a_pooled_connection_the_server_closed_is_not_reused(
+    redis_tls_server: Any, namespace: RemoteNamespace, chunks: Any, tls: bool
+) -> None:
+    """The server drops idle clients (its ``timeout``, or CLIENT KILL): the next call
+    takes a fresh connection instead of failing on the dead one and going down."""
+    keys, rows = chunks.keys(2), chunks.rows(2)
+    url = redis_tls_server.tls_url if tls else redis_tls_server.url
+    async with await RedisTier.open(url, namespace) as tier:
+        assert await tier.write(items(keys, rows)) == 2
+        raw = redis_tls_server.client()
+        assert raw.client_kill_filter(_type="normal", skipme=True) >= 1  # the tier's, idle
+        raw.close()
+        assert await tier.contains(keys) == [True, True]
+        s = tier.statistics()
+        assert (s.state, s.errors_total) == ("up", 0)
+
+
+def test_a_tls_read_into_a_thread_buffer_longer_than_the_row_fills_the_row() -> None:
+    """A worker thread keeps its value buffer from call to call; after a tier of
+    longer rows it is longer than this row, and only the row's part is used."""
+    from tiering._types import make_offload_key
+    from tiering.secondary import ChunkCodec
+    from tiering.secondary.codec import Verdict
+    from tiering.secondary.redis import wire
+    from tiering.secondary.redis.resp import ReplyReader
+
+    outcome: list[object] = []
+
+    def run() -> None:
+        wire._thread_buffer("value", 8192)  # an earlier read of an 8 KiB-row tier
+        codec = ChunkCodec(
+            RemoteNamespace(model="m", dtype="bfloat16", row_bytes=4096, blocks_per_chunk=4)
+        )
+        key = make_offload_key(1)
+        row = (np.arange(4096) % 251).astype(np.uint8)
+        value = codec.encode(key, memoryview(row))
+        reader = ReplyReader()
+        reader.feed(b"$%d\r\n" % len(value) + bytes(value) + b"\r\n")
+        out = memoryview(bytearray(4096))
+        sink = wire._ChunkSink(codec, key, out, direct=False)  # as on a TLS connection
+        try:
+            reader.reply(sink)
+            outcome.append(sink.finish())
+            outcome.append(bytes(out) == row.tobytes())
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert outcome == [Verdict.OK, True]
 
 
 async def test_rediss_with_an_untrusted_certificate_is_one_clear_config_error(

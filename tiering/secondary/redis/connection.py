@@ -26,6 +26,7 @@ import logging
 import math
 import select
 import socket
+import ssl
 import threading
 from collections.abc import Iterator
 from typing import Any, NoReturn
@@ -197,8 +198,26 @@ class Connection:
         if self._sock is None:
             return True
         if self._poll_in is None:
-            return False  # TLS: session tickets make the socket readable; take it as sound
+            return self._tls_stale()
         return bool(self._poll_in.poll(0))
+
+    def _tls_stale(self) -> bool:
+        """A TLS socket is readable for session tickets too: ask TLS itself, without
+        waiting, whether application data or the end of the stream is there."""
+        sock = self._sock
+        assert sock is not None
+        timeout = sock.gettimeout()
+        try:
+            sock.settimeout(0)
+            sock.recv(1)
+        except (ssl.SSLWantReadError, ssl.SSLWantWriteError, BlockingIOError):
+            return False  # nothing to read: sound (a ticket, if any, was taken by TLS)
+        except OSError:
+            return True
+        finally:
+            with contextlib.suppress(OSError):
+                sock.settimeout(timeout)
+        return True  # closed by the server (b""), or bytes nobody asked for
 
     # -- commands ----------------------------------------------------------------
 

@@ -30,6 +30,7 @@ redis-py's private parts, nor on whether ``hiredis`` is installed.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
@@ -48,6 +49,8 @@ from tiering.secondary.redis.failures import (
     refusal_reason,
 )
 from tiering.secondary.redis.resp import ROUTED, ErrorReply, command
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["Abandoned", "Answer", "Guard", "RedisWire", "Row", "Work", "refusal_reason"]
 
@@ -114,7 +117,10 @@ class _ChunkSink:
             self.verdict = checked
             return None  # dropped unread: nothing foreign reaches the row
         self._check = checked
-        return self.out if self.direct else _thread_buffer("value", self.out.nbytes)
+        if self.direct:
+            return self.out
+        size = self.out.nbytes  # this thread's buffer may be longer (another tier's rows)
+        return _thread_buffer("value", size)[:size]
 
     def finish(self) -> Verdict:
         """The verdict once the value is in (call under the guard)."""
@@ -298,6 +304,9 @@ class RedisWire:
             answer.errors.append(describe(exc))
         except ResourceClosedError:
             answer.unavailable = "ResourceClosedError: the tier was closed"
+        except Exception as exc:  # a bug: counted as a failed call, never raised to the caller
+            logger.exception("Redis tier at %s: a call failed unexpectedly", self.url)
+            answer.errors.append(describe(exc))
         return answer
 
     def exchange(
