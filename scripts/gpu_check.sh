@@ -69,7 +69,7 @@ else
     probe='import torch'
 fi
 BASE=""
-for candidate in "${PYTHON:-}" python3 "$ROOT/.venv/bin/python" python; do
+for candidate in "${PYTHON:-}" python3 /opt/torch/.venv/bin/python3 "$ROOT/.venv/bin/python" python; do
     [[ -n $candidate ]] && command -v "$candidate" >/dev/null 2>&1 || continue
     if "$candidate" -c "$probe" >/dev/null 2>&1; then
         BASE=$(command -v "$candidate")
@@ -77,7 +77,7 @@ for candidate in "${PYTHON:-}" python3 "$ROOT/.venv/bin/python" python; do
     fi
 done
 if [[ -z $BASE ]]; then
-    give_up 2 "no python whose torch sees a GPU (tried \$PYTHON, python3, .venv, python)"
+    give_up 2 "no python whose torch sees a GPU (tried \$PYTHON, python3, /opt/torch/.venv/bin/python3, .venv, python)"
 fi
 log "python: $BASE ($("$BASE" -c 'import sys, torch; print("Python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)'))"
 if [[ $BACKEND == cuda ]] && command -v nvidia-smi >/dev/null 2>&1; then

@@ -316,9 +316,11 @@ async def test_an_open_that_fails_releases_what_it_took_and_raises_as_it_came(
     with pytest.raises(TypeError, match="no_such_option"):  # not wrapped in a group
         await open_it()
     stats = engine.statistics()
-    assert stats.state == "new"
+    assert stats.state == "closed"  # an engine opens once: a retry is refused, not half-done
     assert stats.pool is not None
     assert stats.pool.closed
+    with pytest.raises(ResourceClosedError, match="opens once"):
+        await open_it()
     assert stats.events is not None
     with pytest.raises(ResourceClosedError):
         engine.subscribe()

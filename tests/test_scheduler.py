@@ -22,7 +22,7 @@ from tiering import make_offload_key
 from tiering._types import OffloadKey
 from tiering.cpu.common import CPULoadStoreSpec
 from tiering.cpu.manager import CPUOffloadingManager, LookupResult
-from tiering.errors import CapacityError, SpecError
+from tiering.errors import CapacityError, CopyFailedError, SpecError, TransferError
 from tiering.scheduler import (
     JobHandle,
     JobKind,
@@ -369,6 +369,8 @@ async def test_a_backend_that_refuses_a_job_with_nothing_in_flight_fails_it(
         result = await handle
         assert result.outcome is JobOutcome.FAILED
         assert result.error == "the backend refused a job with nothing else in flight"
+        assert isinstance(result.exception, TransferError)
+        assert str(result.exception) == result.error
         assert rig.manager.lookup(keys(1)[0]) is LookupResult.MISS
 
 
@@ -389,6 +391,8 @@ async def test_a_slice_the_backend_refuses_fails_its_job_and_the_rest_go_on(
         result = await bad
         assert result.outcome is JobOutcome.FAILED
         assert result.error == "SpecError: the scripted backend refuses this spec"
+        assert isinstance(result.exception, CopyFailedError)
+        assert isinstance(result.exception.cause, SpecError)
         assert (await good).success
         await settle()
         assert rig.backend.sent() == [(LOAD, [20]), (LOAD, [30]), (LOAD, [31])]
@@ -766,7 +770,6 @@ async def test_a_failed_job_holds_the_backends_error_with_its_type(anyio_backend
     """The backend's failure crosses into the job's result as the `TransferError` it
     raised (a `CopyFailedError` carries the torch error as ``cause``), not only as text."""
     from tiering.engine import TieringEngine
-    from tiering.errors import TransferError
 
     from .test_engine import CHUNK_BYTES, config, keys, kv_caches, spec
 

@@ -302,30 +302,37 @@ class TieringEngine:
             raise ResourceClosedError(f"the engine is {self._state.value}; an engine opens once")
         self._closed = anyio.Event()
         events, secondary = self._events, self._secondary
-        async with contextlib.AsyncExitStack() as stack:
-            if secondary is not None:  # the write-through task's group, left by __aexit__
-                task_group = await stack.enter_async_context(_task_group())
-            closers = await stack.enter_async_context(self._closers)
-            # Closed in the reverse order (see the module's note); a closer of a
-            # piece not opened yet does nothing.
-            if events is not None:
-                closers.push_async_callback(events.aclose)
-            closers.callback(self._close_pool)
-            if secondary is not None:
-                closers.push_async_callback(secondary.aclose)
-            closers.push_async_callback(self.scheduler.aclose)
-            if secondary is not None:
-                closers.callback(secondary.stop_intake)
-            if events is not None:
-                events.open(self.manager)
-            self._pool = HostMemoryPool(
-                self.layout.pool_bytes(self.manager.capacity), populate=self._prefault
-            )
-            if secondary is not None:
-                secondary.start(task_group)
-            self.scheduler.open()
-            stack.push_async_callback(self.aclose)  # on exit: close first, then the task group
-            self._stack = stack.pop_all()
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                if secondary is not None:  # the write-through task's group, left by __aexit__
+                    task_group = await stack.enter_async_context(_task_group())
+                closers = await stack.enter_async_context(self._closers)
+                # Closed in the reverse order (see the module's note); a closer of a
+                # piece not opened yet does nothing.
+                if events is not None:
+                    closers.push_async_callback(events.aclose)
+                closers.callback(self._close_pool)
+                if secondary is not None:
+                    closers.push_async_callback(secondary.aclose)
+                closers.push_async_callback(self.scheduler.aclose)
+                if secondary is not None:
+                    closers.callback(secondary.stop_intake)
+                if events is not None:
+                    events.open(self.manager)
+                self._pool = HostMemoryPool(
+                    self.layout.pool_bytes(self.manager.capacity), populate=self._prefault
+                )
+                if secondary is not None:
+                    secondary.start(task_group)
+                self.scheduler.open()
+                # On exit: close first, then leave the task group.
+                stack.push_async_callback(self.aclose)
+                self._stack = stack.pop_all()
+        except BaseException:
+            # Whatever it took is released; its parts open once: so does the engine.
+            self._state = ResourceState.CLOSED
+            self._closed.set()
+            raise
         self._state = ResourceState.OPEN
         return self
 

@@ -77,6 +77,35 @@ def _run_program(copies: StagedCopies, plan: Any) -> None:
         call()
 
 
+def test_a_staged_store_naming_blocks_more_than_once_copies_each() -> None:
+    """More block ids than the KV cache has blocks (stores may repeat a block, as the
+    cpu backend takes them): the job gets an index of its own, not the shared one."""
+    kv = torch.from_numpy(np.random.default_rng(3).integers(0, 256, (8, 1024), dtype=np.uint8))
+    layout = KVLayout([KVCacheTensor(kv, 8, 1024)], 1)
+    pool = HostMemoryPool(layout.pool_bytes(24))
+    try:
+        host = pool.tensor[: 24 * layout.row_bytes].view(layout.word_dtype)
+        words = layout.slot_bytes // layout.word_bytes
+        copies = StagedCopies(
+            layout,
+            host,
+            {d: torch.empty(4 * words, dtype=layout.word_dtype) for d in DIRECTIONS},
+            {
+                d: torch.empty(StagedCopies.max_blocks(layout), dtype=torch.int64)
+                for d in DIRECTIONS
+            },
+            stage_slots=4,
+            piece_slots=1000,
+        )
+        ids = list(range(8)) * 3  # 24 ids for 8 blocks
+        store = layout.plan(GPULoadStoreSpec(ids), cpu(list(range(24))), 24)
+        _run_program(copies, store)
+        got = layout.pool_view(host, 0)[torch.arange(24)].view(torch.uint8)
+        assert torch.equal(got, kv[torch.tensor(ids)])
+    finally:
+        pool.close()
+
+
 @pytest.mark.parametrize(("stage_slots", "piece_slots"), [(1, 1000), (3, 8), (64, 4), (64, 1000)])
 def test_staged_copies_move_the_pages_of_every_tensor(stage_slots: int, piece_slots: int) -> None:
     # The cuda backend's copies, run on CPU tensors: runs cut at the staging

@@ -115,7 +115,11 @@ class StagedCopies:
             return StagedProgram(None, None, [])
         d = plan.direction
         ids = np.concatenate([g.blocks for g in groups]).astype(np.int64, copy=False)
-        index = self._index[d].narrow(0, 0, len(ids))
+        buffer = self._index[d]
+        if len(ids) <= buffer.numel():
+            index = buffer.narrow(0, 0, len(ids))
+        else:  # a store naming a block more than once: more ids than the cache has blocks
+            index = torch.empty(len(ids), dtype=buffer.dtype, device=buffer.device)
         staging, columns = self._staging[d], self._columns[d]
         store = d is TransferDirection.STORE
         sw = self._slot_words
