@@ -37,6 +37,8 @@ from tiering.secondary import MemoryTier, RemoteNamespace, SecondaryTier
 from tiering.specs import GPULoadStoreSpec
 from tiering.transfer.mock import MockBackend
 
+from .conftest import turns_during
+
 pytestmark = pytest.mark.anyio
 
 CALLS = 40
@@ -68,30 +70,12 @@ def _namespace() -> RemoteNamespace:
 
 
 async def _turns_during(step: Callable[[], Awaitable[Any]], calls: int = CALLS) -> int:
-    """How many turns a counting task got while ``step()`` was awaited ``calls`` times."""
-    turns = 0
-    done = False
-
-    async def count() -> None:
-        nonlocal turns
-        while not done:
-            turns += 1
-            await anyio.sleep(0)
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(count)
-        await anyio.sleep(0)  # let the counter start
-        start = turns
-        for _ in range(calls):
-            await step()
-        counted = turns - start
-        done = True
-    return counted
+    return await turns_during(step, calls)
 
 
 def _assert_yields(counted: int, calls: int = CALLS) -> None:
-    # One turn per call on asyncio; on trio at least one per two calls (a
-    # batch of runnable tasks runs in random order). Without a checkpoint: 0.
+    # One turn per call on asyncio; on trio at least one per two calls (a batch
+    # of runnable tasks runs in random order). Without a checkpoint: 0.
     assert counted >= calls // 2, f"the counting task got {counted} turns in {calls} awaits"
 
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import gc
-from collections.abc import Awaitable, Callable
-from typing import Any
 
 import anyio
 import pytest
@@ -24,6 +22,8 @@ from tiering.events import (
     SinkStatistics,
 )
 from tiering.events.bus import BusState
+
+from ..conftest import turns_during
 
 pytestmark = pytest.mark.anyio
 
@@ -201,28 +201,6 @@ async def test_sinks_are_closed_even_when_closing_is_cancelled() -> None:
         await bus.aclose()
     assert sink.closed == 1
     assert bus.state is BusState.CLOSED
-
-
-async def turns_during(step: Callable[[], Awaitable[Any]], calls: int) -> int:
-    """How many turns a counting task got while ``step()`` was awaited ``calls`` times."""
-    turns = 0
-    done = False
-
-    async def count() -> None:
-        nonlocal turns
-        while not done:
-            turns += 1
-            await anyio.sleep(0)
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(count)
-        await anyio.sleep(0)  # let the counter start
-        start = turns
-        for _ in range(calls):
-            await step()
-        counted = turns - start
-        done = True
-    return counted
 
 
 @pytest.mark.parametrize("with_sink", [False, True])

@@ -24,6 +24,8 @@ from tiering.errors import ResourceClosedError, SpecError
 from tiering.secondary import ChunkCodec, MemoryTier, RemoteNamespace, SecondaryTier, Verdict
 from tiering.secondary.checksum import Checksum
 
+from ..conftest import turns_during as _turns_during
+
 pytestmark = pytest.mark.anyio
 
 #: Every tier the contract runs on: a rig fixture named ``<name>_rig`` each.
@@ -159,28 +161,8 @@ CALLS = 10
 
 
 async def turns_during(step: Callable[[], Awaitable[Any]]) -> int:
-    """How many turns a counting task got while ``step()`` was awaited `CALLS` times.
-
-    One turn per call on asyncio; on trio at least one per two calls (a batch
-    of runnable tasks runs in random order). Without a checkpoint: 0.
-    """
-    turns = 0
-
-    async def count() -> None:
-        nonlocal turns
-        while True:
-            turns += 1
-            await anyio.lowlevel.checkpoint()
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(count)
-        await anyio.lowlevel.checkpoint()  # the counter is running
-        before = turns
-        for _ in range(CALLS):
-            await step()
-        during = turns - before
-        tg.cancel_scope.cancel()
-    return during
+    """How many turns a counting task got while ``step()`` was awaited `CALLS` times."""
+    return await _turns_during(step, CALLS)
 
 
 # -- what is written is read back, one round trip a call -------------------------------
