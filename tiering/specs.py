@@ -224,10 +224,19 @@ def chunk_block_ranges(
 
 
 def select_chunks(
-    spec: GPULoadStoreSpec, blocks_per_chunk: int, chosen: Sequence[int]
+    spec: GPULoadStoreSpec,
+    blocks_per_chunk: int,
+    chosen: Sequence[int],
+    *,
+    chunks: Sequence[tuple[int, int, int, int]] | None = None,
 ) -> GPULoadStoreSpec:
-    """The sub-spec of ``spec`` holding its chunks ``chosen`` (indices, in order)."""
-    chunks = chunk_block_ranges(spec, blocks_per_chunk)
+    """The sub-spec of ``spec`` holding its chunks ``chosen`` (indices, in order).
+
+    ``chunks`` is ``chunk_block_ranges(spec, blocks_per_chunk)`` when the caller
+    has it already (cutting one spec into many sub-specs: cut it once).
+    """
+    if chunks is None:
+        chunks = chunk_block_ranges(spec, blocks_per_chunk)
     num_groups = len(spec.group_sizes)
     sizes = [0] * num_groups
     firsts = [0] * num_groups

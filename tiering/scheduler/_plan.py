@@ -41,7 +41,7 @@ import msgspec
 from tiering._types import OffloadKey, TransferDirection
 from tiering.cpu.common import CPULoadStoreSpec
 from tiering.errors import ConfigError
-from tiering.specs import GPULoadStoreSpec, check_gpu_spec, select_chunks
+from tiering.specs import GPULoadStoreSpec, check_gpu_spec, chunk_block_ranges, select_chunks
 
 __all__ = ["PlannedJob", "Planner", "SchedulerLimits", "Slice"]
 
@@ -177,8 +177,10 @@ class Planner(Generic[J]):
             job.slices.append(Slice(gpu=gpu, cpu=cpu, nbytes=nbytes))
             return nbytes
         total = 0
+        chunks = chunk_block_ranges(gpu, self._bpc)  # once for every slice
         for lo in range(0, count, step):
-            sub = select_chunks(gpu, self._bpc, range(lo, min(lo + step, count)))
+            span = range(lo, min(lo + step, count))
+            sub = select_chunks(gpu, self._bpc, span, chunks=chunks)
             part = CPULoadStoreSpec.from_valid_ids(cpu.block_ids[lo : lo + step].tolist())
             piece = Slice(gpu=sub, cpu=part, nbytes=self._bytes_of(sub))
             job.slices.append(piece)
