@@ -236,8 +236,8 @@ class SecondaryCascade:
                 except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
                     break
             receive.close()
-            if self._done is not None:
-                self._done.set()
+            assert self._done is not None  # made by start, before this task runs
+            self._done.set()
 
     async def _write(self, item: _Write) -> None:
         _, keys, chunk_ids, generation = item

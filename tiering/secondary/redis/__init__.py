@@ -83,9 +83,6 @@ __all__ = ["RedisTier", "redact_url"]
 
 logger = logging.getLogger(__name__)
 
-#: Refusals that say where a key lives now, not that the server refuses writes.
-_SLOT_MOVES = frozenset({"MOVED", "ASK", "TRYAGAIN"})
-
 T = TypeVar("T")
 
 
@@ -341,7 +338,7 @@ class RedisTier(SecondaryTier):
             if writing is not None:  # says nothing about whether writes are accepted
                 self._write_gate.release(writing)
         elif writing is not None:
-            self._writes_answered(writing, answer.refused)
+            self._writes_answered(writing, answer.refused, answer.moved)
         if answer is None and not started:
             # Every worker thread stayed busy for the whole timeout: the tier is
             # overloaded, which says nothing about the server. Not a fault.
@@ -366,14 +363,16 @@ class RedisTier(SecondaryTier):
             c.reconnects_total += 1
         return answer, UNWRITTEN_TIMEOUT if answer.timed_out else UNWRITTEN_FAILED
 
-    def _writes_answered(self, admission: Admission, refused: Sequence[tuple[str, str]]) -> None:
+    def _writes_answered(
+        self, admission: Admission, refused: Sequence[tuple[str, str]], moved: int
+    ) -> None:
         """The server answered a write: refusals take the write gate down (back off).
 
         A slot that moved (a cluster resharding, or a standalone client on a
-        cluster node) is not the server refusing writes: it does not count.
+        cluster node; ``moved`` of the ``refused``) is not the server refusing
+        writes: it does not count.
         """
-        refused = [r for r in refused if r[0] not in _SLOT_MOVES]
-        if not refused:
+        if len(refused) == moved:
             if self._write_gate.succeeded(admission):
                 logger.warning("Redis tier at %s accepts writes again", self.url)
             return
@@ -382,7 +381,7 @@ class RedisTier(SecondaryTier):
             logger.warning(
                 "Redis tier at %s refused %d writes (%s: %s); writes back off, reads go on",
                 self.url,
-                len(refused),
+                len(refused) - moved,
                 reason,
                 message,
             )
@@ -390,8 +389,6 @@ class RedisTier(SecondaryTier):
     def _failed(self, admission: Admission, message: str) -> None:
         self._counters.error(message)
         self._health.failed(admission)
-
-    # -- the worker threads -----------------------------------------------------
 
     def __repr__(self) -> str:
         c = self._counters

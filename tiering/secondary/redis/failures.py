@@ -2,7 +2,7 @@
 
 The tier's own connections raise redis-py's public exception classes
 (``redis.exceptions``) with redis-py's messages, so that what the tier counts
-and shows (``last_error``, ``last_refusal``, `refusal_reason`) reads the same
+and shows (``last_error``, ``last_refusal``) reads the same
 whichever client made the call: the tier's connections, or redis-py's cluster
 client refreshing its slot map. An error reply becomes the class redis-py
 gives that code (`error_from_reply`); which of them take the tier down, count
@@ -17,7 +17,7 @@ from tiering.errors import ConfigError
 from tiering.secondary.base import describe
 from tiering.secondary.redis.resp import ErrorReply
 
-__all__ = ["RedisErrors", "config_error", "error_from_reply", "errors", "refusal_reason"]
+__all__ = ["RedisErrors", "config_error", "error_from_reply", "errors"]
 
 #: An error code and the ``redis.exceptions`` class redis-py gives it.
 _CLASSES = {
@@ -69,17 +69,10 @@ class RedisErrors:
         self.timeout: tuple[type[BaseException], ...] = (rx.TimeoutError, TimeoutError)
         #: Anything redis-py raises on purpose.
         self.any: tuple[type[BaseException], ...] = (rx.RedisError,)
-        #: The server refused one command (its reply is an error).
-        self.refused: tuple[type[BaseException], ...] = (rx.ResponseError,)
         #: ... because the cluster's slot map changed.
         self.moved: tuple[type[BaseException], ...] = (rx.AskError, rx.TryAgainError)
         self.auth: tuple[type[BaseException], ...] = (rx.AuthenticationError,)
         self.permission: tuple[type[BaseException], ...] = (rx.NoPermissionError,)
-        self.codes: dict[type[BaseException], str] = {}
-        for code, name in _CLASSES.items():
-            cls = getattr(rx, name, None)
-            if isinstance(cls, type) and name != "AuthenticationError":
-                self.codes.setdefault(cls, code)
 
 
 _ERRORS: RedisErrors | None = None
@@ -114,21 +107,6 @@ def error_from_reply(reply: ErrorReply) -> Any:
         return getattr(rx, name, rx.ResponseError)(text[len(code) + 1 :])
     except (TypeError, ValueError):  # a MOVED or ASK that names no slot and node
         return rx.ResponseError(text)
-
-
-def refusal_reason(exc: BaseException) -> str:
-    """The server's error code of a refusal: ``OOM``, ``READONLY``, ``WRONGTYPE``, ``ERR``...
-
-    redis-py strips the code off the message of the errors it maps to a class
-    of their own (``OOM`` becomes `OutOfMemoryError`), so those are mapped back.
-    """
-    code = errors().codes.get(type(exc))
-    if code is not None:
-        return code
-    first = str(exc).split(" ", 1)[0]
-    if first.isalpha() and first.isupper():
-        return first  # a code redis-py does not know keeps its message whole
-    return "ERR" if type(exc).__name__ == "ResponseError" else type(exc).__name__
 
 
 def config_error(url: str, exc: BaseException) -> ConfigError:

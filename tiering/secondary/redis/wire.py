@@ -42,17 +42,12 @@ from tiering.secondary.checksum import checksum_copy
 from tiering.secondary.codec import ChunkCodec, Verdict
 from tiering.secondary.redis.address import RedisAddress
 from tiering.secondary.redis.connection import Abandoned, Connection, ConnectionPool, Guard
-from tiering.secondary.redis.failures import (
-    config_error,
-    error_from_reply,
-    errors,
-    refusal_reason,
-)
+from tiering.secondary.redis.failures import config_error, error_from_reply, errors
 from tiering.secondary.redis.resp import ROUTED, ErrorReply, command
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Abandoned", "Answer", "Guard", "RedisWire", "Row", "Work", "refusal_reason"]
+__all__ = ["Abandoned", "Answer", "Guard", "RedisWire", "Row", "Work"]
 
 T = TypeVar("T")
 
@@ -75,7 +70,7 @@ Row = tuple[OffloadKey, bytes, Any]
 class Answer(Generic[T]):
     """What a worker thread did: a value per row (``None``: no answer), errors, trips."""
 
-    __slots__ = ("errors", "refused", "round_trips", "timed_out", "unavailable", "values")
+    __slots__ = ("errors", "moved", "refused", "round_trips", "timed_out", "unavailable", "values")
 
     def __init__(self, rows: int) -> None:
         self.values: list[T | None] = [None] * rows
@@ -84,6 +79,8 @@ class Answer(Generic[T]):
         self.errors: list[str] = []
         #: ``(reason, message)`` per command the server refused (``OOM``, ``READONLY``, ...).
         self.refused: list[tuple[str, str]] = []
+        #: How many of those say a key's slot moved (not the server refusing writes).
+        self.moved = 0
         #: Why the store could not be reached, if it could not (the rest is unanswered).
         self.unavailable: str | None = None
         #: Whether that was a socket timing out.
@@ -363,6 +360,7 @@ class RedisWire:
             raise error  # CLUSTERDOWN and the like: the store as a whole is away
         answer.refused.append((reply.code, describe(error)))
         if isinstance(error, e.moved):
+            answer.moved += 1
             self._refresh_slots = True  # the slot map is stale: refresh it on the next call
         return False
 
