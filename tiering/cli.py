@@ -622,6 +622,9 @@ def _remote_summary(r: ReplayResult) -> str:
     if r.remote_rejected:
         reasons = ", ".join(f"{n:,} {why}" for why, n in r.remote_rejected_by_reason.items())
         text += f"; {r.remote_rejected:,} values rejected ({reasons})"
+    if r.remote_refused_by_reason:
+        reasons = ", ".join(f"{n:,} {why}" for why, n in r.remote_refused_by_reason.items())
+        text += f"; commands refused by the store: {reasons}"
     text += f"; {r.remote_errors:,} failed calls"
     if r.remote_writes_dropped_by_reason.get("behind"):
         text += "; the tier fell behind the stores (its write queue was full)"

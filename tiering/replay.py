@@ -130,6 +130,8 @@ class ReplayResult(msgspec.Struct, frozen=True, kw_only=True):
     remote_writes_dropped_by_reason: dict[str, int]
     remote_rejected: int  # values read that failed a check: never loaded, counted as misses
     remote_rejected_by_reason: dict[str, int]  # by verdict: bad_checksum, foreign_namespace...
+    #: Commands the store refused (reads and lookups too), by its code: OOM, NOPERM, MOVED...
+    remote_refused_by_reason: dict[str, int]
     capacity_chunks: int
     cpu_bytes: int
     policy: str
@@ -374,6 +376,7 @@ async def replay(
         remote_writes_dropped_by_reason=dropped,
         remote_rejected=remote_stats.tier.rejected_total if remote_stats else 0,
         remote_rejected_by_reason=remote_stats.tier.rejected_by_reason if remote_stats else {},
+        remote_refused_by_reason=remote_stats.tier.refused_by_reason if remote_stats else {},
         capacity_chunks=engine.manager.capacity,
         cpu_bytes=engine.manager.capacity * engine.layout.row_bytes,
         policy=options.policy,

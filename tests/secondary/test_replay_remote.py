@@ -138,3 +138,5 @@ def test_a_full_redis_is_shown_in_the_summary_by_reason(own_redis_server: RedisS
     assert "chunk writes dropped (" in line
     assert "refused OOM" in line
     assert "backing off" in line
+    assert "commands refused by the store: " in line  # reads' refusals would show here too
+    assert summary["remote_refused_by_reason"]["OOM"] == dropped["refused OOM"]
