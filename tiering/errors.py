@@ -22,6 +22,8 @@ returns ``None``) and a failed transfer (a failed result) are return values.
 
 from __future__ import annotations
 
+import traceback
+
 __all__ = [
     "CapacityError",
     "ChunkStateError",
@@ -35,6 +37,8 @@ __all__ = [
     "TransferError",
     "UnknownKeyError",
     "WorkloadError",
+    "failure_text",
+    "transfer_error",
 ]
 
 
@@ -110,3 +114,22 @@ class WorkloadError(TieringError, ValueError):
 
 class EventSchemaError(TieringError, ValueError):
     """A payload, event or block description does not fit the KV event schema."""
+
+
+def failure_text(exc: BaseException) -> str:
+    """The one line a failed result says of ``exc``: ``"RuntimeError: ..."``."""
+    return f"{type(exc).__name__}: {exc}"
+
+
+def transfer_error(exc: BaseException, job_id: int | None = None) -> TransferError:
+    """``exc`` as the `TransferError` a failed result holds: itself if it is one, else
+    a `CopyFailedError` from it.
+
+    The frames of its traceback drop their local variables (the line numbers
+    stay): a result may be kept long after, and must not keep a job's tensors,
+    or the backend, alive.
+    """
+    traceback.clear_frames(exc.__traceback__)
+    if isinstance(exc, TransferError):
+        return exc
+    return CopyFailedError(failure_text(exc), exc, job_id)

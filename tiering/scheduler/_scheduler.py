@@ -39,7 +39,13 @@ import numpy as np
 from tiering._state import ResourceState
 from tiering._types import OffloadKey
 from tiering.cpu.manager import CPUOffloadingManager
-from tiering.errors import CapacityError, CopyFailedError, ResourceClosedError, TransferError
+from tiering.errors import (
+    CapacityError,
+    ResourceClosedError,
+    TransferError,
+    failure_text,
+    transfer_error,
+)
 from tiering.scheduler._jobs import (
     DirectionStatistics,
     JobHandle,
@@ -301,8 +307,8 @@ class Scheduler:
             error = "the backend refused a job with nothing else in flight"
             failure = TransferError(error)
         except Exception as exc:  # a spec the backend refuses: the job fails, we go on
-            error = f"{type(exc).__name__}: {exc}"
-            failure = exc if isinstance(exc, TransferError) else CopyFailedError(error, exc)
+            error = failure_text(exc)
+            failure = transfer_error(exc, slice_id)
         self._running[slice_id] = (job, piece)
         if error is not None:
             self._complete_slice(

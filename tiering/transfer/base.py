@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import traceback
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -36,10 +35,11 @@ import msgspec
 from tiering._state import ResourceState
 from tiering.errors import (
     CapacityError,
-    CopyFailedError,
     ResourceClosedError,
     SpecError,
     TransferError,
+    failure_text,
+    transfer_error,
 )
 from tiering.specs import LoadStoreSpec
 from tiering.transfer.layout import TransferDirection
@@ -325,30 +325,17 @@ class JobTracker:
         return f"[{closed}jobs: {s.in_flight} in flight, {s.succeeded} done, {s.failed} failed]"
 
 
-def transfer_error(exc: BaseException, job_id: int | None = None) -> TransferError:
-    """``exc`` as the `TransferError` a failed result holds: itself if it is one, else
-    a `CopyFailedError` from it.
-
-    The frames of its traceback drop their local variables (the line numbers
-    stay): a result may be kept long after, and must not keep a job's tensors,
-    or the backend, alive.
-    """
-    traceback.clear_frames(exc.__traceback__)
-    if isinstance(exc, TransferError):
-        return exc
-    return CopyFailedError(f"{type(exc).__name__}: {exc}", exc, job_id)
-
-
 def failed_result(
     job_id: int, direction: TransferDirection, nbytes: int, exc: BaseException, started: float
 ) -> TransferResult:
     """The result of a job whose copy raised ``exc`` (see `transfer_error`)."""
+    failure = transfer_error(exc, job_id)
     return TransferResult(
         job_id=job_id,
         success=False,
         direction=direction,
         nbytes=nbytes,
         seconds=time.perf_counter() - started,
-        error=f"{type(exc).__name__}: {exc}",
-        exception=transfer_error(exc, job_id),
+        error=failure_text(exc),
+        exception=failure,
     )
