@@ -83,7 +83,9 @@ def main() -> None:
                     f"{r.no_room_stores:>5,} stores found no room  {r.failed_jobs} failed  "
                     f"{r.corrupt_chunks} corrupt  {r.seconds:6.1f} s  {'ok' if good else 'MISS'}"
                 )
-    if not args.json:
+    if args.json:
+        print(json.dumps({"source": source, "requests": len(requests), "target_met": ok}))
+    else:
         print(
             f"{source}, {len(requests):,} requests: hit rate at concurrency 32 >= {TARGET} of "
             f"concurrency 1's at every capacity: {'met' if ok else 'NOT met'}"

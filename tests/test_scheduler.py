@@ -515,7 +515,8 @@ async def test_the_scheduler_refuses_a_bad_spec_in_the_layouts_words(
         with pytest.raises(SpecError) as theirs:
             layout.plan(src, dst, num_chunks=8)
         assert str(ours.value) == str(theirs.value).replace("chunk id", "key")
-        assert scheduler.statistics().stores.queued == 0
+        stats = scheduler.statistics()
+        assert (stats.stores.queued, stats.loads.queued) == (0, 0)
     finally:
         await scheduler.aclose()
 

@@ -77,10 +77,10 @@ from tiering.specs import LoadStoreSpec
 from tiering.transfer.base import DEFAULT_MAX_IN_FLIGHT, CompletionCallback
 from tiering.transfer.layout import KVLayout, TransferDirection
 from tiering.transfer.memory import HostMemoryPool
-from tiering.transfer.staging import StagedCopies, StagedProgram, copy_pieces
+from tiering.transfer.staging import StagedCopies, StagedProgram
 from tiering.transfer.worker import PendingCopy, ThreadedBackend, ThreadedJob
 
-__all__ = ["CudaBackend", "HostRegistration", "copy_pieces"]
+__all__ = ["CudaBackend", "HostRegistration"]
 
 logger = logging.getLogger(__name__)
 
