@@ -790,3 +790,19 @@ async def test_a_failed_job_holds_the_backends_error_with_its_type(anyio_backend
         ok = await (await engine.submit_store(keys(2), spec([1])))
         assert ok.success
         assert ok.exception is None
+
+
+async def test_a_job_failed_at_submit_keeps_nothing_alive(anyio_backend: str) -> None:
+    """A refusal's exception has a traceback whose frames hold the job, and the job
+    holds its result, which holds the exception: a cycle only the garbage collector
+    can free, so the result must be one it tracks."""
+    import gc
+    import weakref
+
+    async with running(refuse=lambda gpu: True) as rig:
+        result = await rig.scheduler.submit_nowait(STORE, keys(1), spec([1]))
+        assert isinstance(result.exception, CopyFailedError)
+        scheduler = weakref.ref(rig.scheduler)
+    del rig, result
+    gc.collect()
+    assert scheduler() is None

@@ -43,7 +43,9 @@ class JobOutcome(enum.StrEnum):
     CANCELLED = "cancelled"  # removed before any byte moved (by the caller or by close)
 
 
-class JobResult(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+class JobResult(msgspec.Struct, frozen=True, kw_only=True):
+    # Tracked by the garbage collector: ``exception`` may hold a traceback whose
+    # frames hold the job, and so this result (a cycle only the collector frees).
     """The result of a store or load job."""
 
     job_id: int
