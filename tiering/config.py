@@ -61,12 +61,22 @@ __all__ = [
 #: workloads (figures in the README; `bench/policy.py` checks them).
 DEFAULT_POLICY = "aslru"
 
+#: What each of tiering's own ``extra_config`` keys counts (for the message that
+#: refuses a bad value).
+_EXTRA_MEANINGS: Mapping[str, str] = MappingProxyType(
+    {
+        "max_queued_jobs": "jobs each direction queues before submissions wait",
+        "max_inflight_bytes": "bytes each direction hands the transfer backend at once",
+        "slice_chunks": "chunks in one load slice",
+        "max_load_slices": "load slices at the transfer backend at once",
+        "blocks_per_chunk": "GPU blocks coalesced into a chunk",
+    }
+)
+
 #: The ``extra_config`` keys that are tiering's own: the scheduler limits
 #: (`tiering.scheduler.SchedulerLimits`, read by the engine) and
 #: ``blocks_per_chunk`` (read by `tiering.integrations.vllm`).
-TIERING_EXTRA_KEYS: frozenset[str] = frozenset(
-    {"max_queued_jobs", "max_inflight_bytes", "slice_chunks", "max_load_slices", "blocks_per_chunk"}
-)
+TIERING_EXTRA_KEYS: frozenset[str] = frozenset(_EXTRA_MEANINGS)
 #: ``extra_config`` keys tiering reads with the meaning vLLM gives them:
 #: ``block_size`` (tokens per chunk). Keys close to these are not refused: they
 #: may be another backend's.
@@ -138,18 +148,6 @@ def _check_dtype(owner: str, dtype: str) -> None:
         hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
         hint += "use a torch dtype name such as 'bfloat16' or a vLLM KV-cache dtype such as 'fp8'"
     raise ConfigError(f"{owner}.dtype={dtype!r} is not a dtype torch or vLLM knows; {hint}")
-
-
-#: What each of `TIERING_EXTRA_KEYS` counts, for the message that refuses a bad value.
-_EXTRA_MEANINGS: Mapping[str, str] = MappingProxyType(
-    {
-        "max_queued_jobs": "jobs each direction queues before submissions wait",
-        "max_inflight_bytes": "bytes each direction hands the transfer backend at once",
-        "slice_chunks": "chunks in one load slice",
-        "max_load_slices": "load slices at the transfer backend at once",
-        "blocks_per_chunk": "GPU blocks coalesced into a chunk",
-    }
-)
 
 
 def _check_extra_values(owner: str, extra: Mapping[str, Any]) -> None:

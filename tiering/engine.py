@@ -418,12 +418,12 @@ class TieringEngine:
         the parent hash ("self-describing" events). Ignored without events.
         """
         self._check_open()
-        events = self._events if blocks is not None else None
-        if events is not None and blocks is not None:
-            events.check(keys, blocks)
+        events = self._events
+        if blocks is None or events is None:
+            return self.scheduler.submit_nowait(JobKind.STORE, keys, gpu)
+        events.check(keys, blocks)
         handle = self.scheduler.submit_nowait(JobKind.STORE, keys, gpu)
-        if events is not None and blocks is not None:
-            events.describe(manager_job(handle.job_id), keys, blocks)
+        events.describe(manager_job(handle.job_id), keys, blocks)
         return handle
 
     def submit_load_nowait(self, keys: Sequence[OffloadKey], gpu: GPULoadStoreSpec) -> JobHandle:

@@ -231,6 +231,11 @@ class CPUOffloadingManager:
         self._lookups[result] += 1
         return result
 
+    @property
+    def writing(self) -> int:
+        """Chunks being written now (as in `statistics`, without building it)."""
+        return self._writing
+
     def store_in_flight(self, job: Hashable) -> bool:
         """Whether store job ``job`` was prepared and not completed yet."""
         return job in self._store_jobs
@@ -271,7 +276,10 @@ class CPUOffloadingManager:
         chunks = self._chunks
         slots = []
         for key in keys:
-            chunk = chunks.get(key) if isinstance(key, bytes) else None
+            try:
+                chunk = chunks.get(key)
+            except TypeError:  # unhashable: never a key
+                chunk = None
             if chunk is None:
                 _check_key(key)
                 raise UnknownKeyError(f"cannot load chunk {key.hex()}: it is not in the tier")
@@ -315,14 +323,15 @@ class CPUOffloadingManager:
             keys = held
         else:
             keys = tuple(keys)
-            for key in keys:
-                if not isinstance(key, bytes):
-                    _check_key(key)
         chunks = self._chunks
         get = chunks.get
-        if len(set(keys)) == len(keys) and all(
-            (c := get(k)) is not None and c.pins > 0 for k in keys
-        ):
+        try:
+            distinct = len(set(keys))
+        except TypeError:  # an unhashable key: never a key
+            for key in keys:
+                _check_key(key)
+            raise  # pragma: no cover - some key above is refused
+        if distinct == len(keys) and all((c := get(k)) is not None and c.pins > 0 for k in keys):
             need: dict[OffloadKey, int] = {}  # the common case: nothing to check further
         else:
             need = {}

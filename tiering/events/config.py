@@ -19,6 +19,7 @@ import msgspec
 from tiering.errors import ConfigError
 
 __all__ = [
+    "ANY_HOSTS",
     "ZMQ_TRANSPORTS",
     "HashFormat",
     "KVEventsConfig",
@@ -39,7 +40,7 @@ class HashFormat(enum.StrEnum):
 
 
 #: Hosts that stand for every interface of the machine: a bind there takes all of them.
-_ANY_HOSTS = frozenset({"*", "0.0.0.0", "::", "[::]"})
+ANY_HOSTS = frozenset({"*", "0.0.0.0", "::", "[::]"})
 
 
 def tcp_address(endpoint: str) -> tuple[str, str] | None:
@@ -95,7 +96,7 @@ def _same_address(a: str, b: str) -> bool:
     (host_a, port_a), (host_b, port_b) = tcp_a, tcp_b
     if port_a == "*" or port_b == "*" or int(port_a) != int(port_b):
         return False
-    return host_a == host_b or host_a in _ANY_HOSTS or host_b in _ANY_HOSTS
+    return host_a == host_b or host_a in ANY_HOSTS or host_b in ANY_HOSTS
 
 
 def _check_count(name: str, value: object, minimum: int, meaning: str) -> None:

@@ -142,7 +142,7 @@ class KVEventEmitter:
         described = {k: info for k, info in zip(keys, blocks, strict=True) if info is not None}
         if described and manager.store_in_flight(job):
             self._described[job] = described
-        if len(self._described) > 64 + 2 * manager.statistics().writing:
+        if len(self._described) > 64 + 2 * manager.writing:
             self._described = {
                 j: d for j, d in self._described.items() if manager.store_in_flight(j)
             }

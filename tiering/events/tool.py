@@ -21,7 +21,7 @@ from typing import Any, TextIO
 import anyio
 import msgspec
 
-from tiering.events.config import tcp_address, wildcard_of
+from tiering.events.config import ANY_HOSTS, tcp_address, wildcard_of
 from tiering.events.schema import (
     AllBlocksCleared,
     BlockHash,
@@ -144,7 +144,8 @@ def _reachable(bound: str) -> str:
     if address is None:
         return bound
     host, port = address
-    host = {"0.0.0.0": "127.0.0.1", "[::]": "[::1]", "*": "127.0.0.1"}.get(host, host)
+    if host in ANY_HOSTS:
+        host = "[::1]" if ":" in host else "127.0.0.1"
     return f"tcp://{host}:{port}"
 
 

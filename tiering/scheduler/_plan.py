@@ -176,16 +176,13 @@ class Planner(Generic[J]):
         if count <= step:
             job.slices.append(Slice(gpu=gpu, cpu=cpu, nbytes=nbytes))
             return nbytes
-        total = 0
         chunks = chunk_block_ranges(gpu, self._bpc)  # once for every slice
         for lo in range(0, count, step):
             span = range(lo, min(lo + step, count))
             sub = select_chunks(gpu, self._bpc, span, chunks=chunks)
             part = CPULoadStoreSpec.from_valid_ids(cpu.block_ids[lo : lo + step].tolist())
-            piece = Slice(gpu=sub, cpu=part, nbytes=self._bytes_of(sub))
-            job.slices.append(piece)
-            total += piece.nbytes
-        return total
+            job.slices.append(Slice(gpu=sub, cpu=part, nbytes=self._bytes_of(sub)))
+        return nbytes  # the slices cover the spec's chunks exactly
 
     def enqueue(self, job: J) -> None:
         """Queue ``job`` (its slices made) behind the others of its direction."""
