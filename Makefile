@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 TRACE ?= ../shared/traces/conversation_trace.jsonl
 
-.PHONY: install test run check lint bench dashboards gpu-wheels clean
+.PHONY: install test test-vllm vllm-env run check lint bench dashboards gpu-wheels clean
 
 $(BIN)/tiering:
 	$(PYTHON) -m venv $(VENV)
@@ -16,8 +16,22 @@ $(BIN)/tiering:
 
 install: $(BIN)/tiering
 
+# The vLLM tests run in a second pytest, with vLLM's sources on PYTHONPATH (for them only).
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --ignore=tests/vllm
+	$(MAKE) --no-print-directory test-vllm
+
+# vLLM 0.33.0's pure-Python sources and what they import, in $(VLLM_ENV)/site (not the venv).
+VLLM_ENV ?= .vllm-env
+VLLM_SITE := $(VLLM_ENV)/site
+$(VLLM_SITE)/.complete: scripts/vllm_env.sh | $(BIN)/tiering
+	scripts/vllm_env.sh $(VENV) $(VLLM_ENV)
+
+vllm-env: install $(VLLM_SITE)/.complete
+
+test-vllm: vllm-env
+	PYTHONPATH=$(VLLM_SITE) VLLM_TARGET_DEVICE=cpu TIERING_REQUIRE_VLLM=1 \
+		$(BIN)/python -m pytest -q tests/vllm
 
 run: install
 	@if [ -f "$(TRACE)" ]; then src="--trace $(TRACE)"; else \
@@ -68,4 +82,4 @@ gpu-wheels: install
 	@ls wheels
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_ENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

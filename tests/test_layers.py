@@ -24,6 +24,8 @@ LAYERS: dict[str, float] = {
     "specs": 1,
     "cpu.common": 1,
     "integrations": 1,
+    "integrations.vllm": 6.5,  # the vLLM adapters (6′): vLLM's classes over layers 0-4′
+    "integrations.vllm.config": 1,  # the seed's config translation: duck-typed, no vLLM
     "policies": 2,
     "cpu.manager": 2,
     "transfer": 2.5,
@@ -48,12 +50,13 @@ SIBLINGS = {(2, 2.5), (2.5, 2)}
 
 # Third-party imports allowed per layer (anything not listed is stdlib-only or tiering).
 THIRD_PARTY: dict[str, set[float]] = {
-    "numpy": {1, 2, 2.5, 3, 4, 5, 6, 7, 8},
-    "msgspec": {1, 2, 2.5, 3, 4, 5, 6, 7, 8},
-    "torch": {2.5, 6, 7, 8},
-    "anyio": {3, 4, 5, 6, 7, 8},
+    "numpy": {1, 2, 2.5, 3, 4, 5, 6, 6.5, 7, 8},
+    "msgspec": {1, 2, 2.5, 3, 4, 5, 6, 6.5, 7, 8},
+    "torch": {2.5, 6, 6.5, 7, 8},
+    "anyio": {3, 4, 5, 6, 6.5, 7, 8},
+    "vllm": {6.5},
+    "prometheus_client": {5, 6.5, 7},
     "zmq": {3, 7},
-    "prometheus_client": {5, 7},
     "redis": {6, 7},
 }
 
@@ -109,7 +112,15 @@ def is_submodule(name: str) -> bool:
     return (PACKAGE / f"{name}.py").exists() or (PACKAGE / name / "__init__.py").exists()
 
 
-PACKAGES = ("cpu", "transfer", "policies", "integrations", "workload", "events")
+PACKAGES = (
+    "cpu",
+    "transfer",
+    "policies",
+    "integrations",
+    "integrations.vllm",
+    "workload",
+    "events",
+)
 
 
 def violations(name: str, is_package: bool, source: str) -> list[str]:
@@ -130,6 +141,8 @@ def violations(name: str, is_package: bool, source: str) -> list[str]:
                 found.append(f"{where}: layer {own} imports {target} (layer {theirs})")
         elif top in THIRD_PARTY and own not in THIRD_PARTY[top]:
             found.append(f"{where}: layer {own} may not import {top}")
+        if layer_of(name) == 6.5 and target.startswith("tiering.engine"):
+            found.append(f"{where}: the vLLM adapters use the pieces, never the engine")
         if target.startswith("torch.cuda") and name != "transfer.cuda":
             found.append(f"{where}: only tiering/transfer/cuda.py touches torch.cuda")
     return found

@@ -51,7 +51,7 @@ from tiering.errors import (
     UnknownKeyError,
     WorkloadError,
 )
-from tiering.integrations.vllm import build_offloading_config, is_kv_cache_tensor_packed
+from tiering.integrations.vllm.config import build_offloading_config, is_kv_cache_tensor_packed
 from tiering.policies import ARCPolicy, CachePolicy, LRUPolicy, create_policy
 from tiering.simulate import SimulationResult, simulate
 from tiering.specs import BlockIDsLoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec

@@ -1,0 +1,333 @@
+"""vLLM 0.33's engine core minus the model: its real `Scheduler`, with a connector, on CPU.
+
+`build_engine` builds what vLLM's ``EngineCore`` builds before it schedules:
+a ``VllmConfig`` for a model folder that holds only a ``config.json``, the KV
+cache config from vLLM's own planner (``get_kv_cache_configs``), the block
+sizes from ``resolve_kv_cache_block_sizes``, and the ``Scheduler`` with the KV
+connector named in ``kv_transfer_config`` (vLLM's ``OffloadingConnector`` by
+default). Nothing of vLLM is stubbed. What the model runner would do is done
+by `Engine.step`: it takes the connector's metadata, completes the transfer
+jobs it carries (through an `OffloadingWorker` when one is given, so real
+bytes move; else at once), samples one token per request whose prompt is
+computed, and feeds vLLM's ``update_from_output``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+import torch
+from vllm import SamplingParams
+from vllm.config import (
+    CacheConfig,
+    KVEventsConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingConnectorMetadata,
+    OffloadingWorkerMetadata,
+)
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+from vllm.v1.core.kv_cache_utils import (
+    generate_scheduler_kv_cache_config,
+    get_request_block_hasher,
+    init_none_hash,
+    resolve_kv_cache_block_sizes,
+)
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+from vllm.v1.kv_offload.base import OffloadingWorker
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+#: A small Llama: 2 layers, 2 KV heads of 64 (a 16-token block is 8 KiB per layer).
+MODEL = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "num_hidden_layers": 2,
+    "vocab_size": 32000,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-5,
+    "torch_dtype": "float16",
+}
+LAYERS = tuple(f"model.layers.{i}.self_attn.attn" for i in range(MODEL["num_hidden_layers"]))
+
+
+def write_model(folder: Path, **overrides: Any) -> Path:
+    """A model folder vLLM accepts with no weights and no tokenizer: a ``config.json``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({**MODEL, **overrides}))
+    return folder
+
+
+def attention_spec(block_size: int = 16) -> FullAttentionSpec:
+    return FullAttentionSpec(
+        block_size=block_size,
+        num_kv_heads=MODEL["num_key_value_heads"],
+        head_size=MODEL["head_dim"],
+        dtype=torch.float16,
+    )
+
+
+def build_vllm_config(
+    model: Path,
+    extra_config: Mapping[str, Any],
+    *,
+    block_size: int = 16,
+    max_model_len: int = 16384,
+    max_num_batched_tokens: int = 16384,
+    max_num_seqs: int = 64,
+    kv_events: KVEventsConfig | None = None,
+    connector: str = "OffloadingConnector",
+    enable_prefix_caching: bool = True,
+) -> VllmConfig:
+    config = VllmConfig(
+        model_config=ModelConfig(
+            model=str(model), skip_tokenizer_init=True, max_model_len=max_model_len, dtype="float16"
+        ),
+        cache_config=CacheConfig(
+            block_size=block_size, enable_prefix_caching=enable_prefix_caching
+        ),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            is_encoder_decoder=False,
+        ),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector=connector,
+            kv_role="kv_both",
+            kv_connector_extra_config=dict(extra_config),
+        ),
+        kv_events_config=kv_events,
+    )
+    # What the engine core resolves from its workers' attention backends.
+    config.cache_config.kv_cache_layout = "LBNHC"
+    return config
+
+
+def build_kv_cache_config(
+    vllm_config: VllmConfig, num_gpu_blocks: int, block_size: int = 16
+) -> KVCacheConfig:
+    """The scheduler's KV cache config, from vLLM's planner, for ``num_gpu_blocks`` blocks."""
+    spec = attention_spec(block_size)
+    specs = [dict.fromkeys(LAYERS, spec)]
+    groups = get_global_kv_cache_groups(vllm_config, specs)
+    memory = spec.page_size_bytes * len(LAYERS) * num_gpu_blocks
+    (worker_config,) = get_kv_cache_configs(vllm_config, specs, [memory], groups)
+    config = generate_scheduler_kv_cache_config([worker_config])
+    vllm_config.cache_config.num_gpu_blocks = config.num_blocks
+    return config
+
+
+@dataclass
+class Engine:
+    """vLLM's scheduler driven step by step, as ``EngineCore.step`` drives it."""
+
+    vllm_config: VllmConfig
+    kv_cache_config: KVCacheConfig
+    scheduler: Scheduler
+    block_hasher: Any
+    #: Moves the bytes of the jobs when given (vLLM's worker calls, in its order).
+    worker: OffloadingWorker | None = None
+    steps: int = 0
+    #: Prompt tokens the connector served, and those it was asked for (what the GPU
+    #: prefix cache did not have), from vLLM's own connector prefix-cache stats.
+    hit_tokens: int = 0
+    queried_tokens: int = 0
+    finished: list[str] = field(default_factory=list)
+    _ids: Iterable[int] = field(default_factory=itertools.count)
+    _pending: dict[int, str | None] = field(default_factory=dict)  # job -> req (loads)
+    _deferred_stores: list[tuple[int, Any, Any]] = field(default_factory=list)
+
+    @property
+    def connector(self) -> Any:
+        return self.scheduler.connector
+
+    @property
+    def offloading(self) -> Any:
+        """The connector's scheduler side (``OffloadingConnectorScheduler``)."""
+        return self.scheduler.connector.connector_scheduler  # type: ignore[union-attr]
+
+    @property
+    def manager(self) -> Any:
+        return self.offloading.manager
+
+    def _count_stats(self, results: Mapping[int, Any]) -> None:
+        for engine_outputs in results.values():
+            stats = engine_outputs.scheduler_stats
+            connector = stats.connector_prefix_cache_stats if stats is not None else None
+            if connector is not None:
+                self.hit_tokens += connector.hits + connector.preempted_hits
+                self.queried_tokens += connector.queries + connector.preempted_queries
+
+    def add(
+        self, prompt: Sequence[int], *, max_tokens: int = 1, req_id: str | None = None
+    ) -> Request:
+        request = Request(
+            request_id=req_id if req_id is not None else f"req-{next(self._ids)}",
+            prompt_token_ids=list(prompt),
+            sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            pooling_params=None,
+            block_hasher=self.block_hasher,
+        )
+        self.scheduler.add_request(request)
+        return request
+
+    def step(self) -> Any:
+        """One engine step: schedule, "run the model", update. Returns the SchedulerOutput."""
+        output = self.scheduler.schedule()
+        connector_output = self._run_worker(output.kv_connector_metadata)
+        req_ids = list(output.num_scheduled_tokens)
+        sampled = []
+        for req_id in req_ids:
+            request = self.scheduler.requests[req_id]
+            done_prompt = request.num_computed_tokens >= request.num_prompt_tokens
+            sampled.append([7] if done_prompt else [])
+        runner_output = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=connector_output,
+        )
+        results = self.scheduler.update_from_output(output, runner_output)
+        self._count_stats(results)
+        for engine_outputs in results.values():
+            for out in engine_outputs.outputs:
+                if out.finish_reason is not None:
+                    self.finished.append(out.request_id)
+        self.steps += 1
+        return output
+
+    def run(self, max_steps: int = 100_000) -> None:
+        """Step until no request is left and the connector has no work pending."""
+        for _ in range(max_steps):
+            if (
+                not self.scheduler.has_requests()
+                and not self._pending
+                and not (self.manager.has_pending_work())
+            ):
+                return
+            self.step()
+        raise AssertionError(f"the engine did not go idle in {max_steps} steps")
+
+    def _run_worker(self, metadata: Any) -> KVConnectorOutput | None:
+        """The worker's side of a step: what ``OffloadingConnectorWorker`` does, in its order."""
+        if metadata is None:
+            return None
+        assert isinstance(metadata, OffloadingConnectorMetadata), metadata
+        completed: dict[int, int] = {}
+        finished_recving: set[str] = set()
+        worker = self.worker
+        if worker is None:
+            # No bytes: every job of this step completes in it.
+            for job_id, job in metadata.load_jobs.items():
+                completed[job_id] = 1
+                if not job.sync:
+                    finished_recving.add(job.req_id)
+            for job_id in metadata.store_jobs:
+                completed[job_id] = 1
+        else:
+            # Stores of the last step first (vLLM defers them a step), then flushes.
+            flush = set(metadata.jobs_to_flush or ())
+            for job_id in flush:
+                job = metadata.store_jobs.pop(job_id, None)
+                if job is not None:
+                    self._deferred_stores.append((job_id, job.src_spec, job.dst_spec))
+            for job_id, src, dst in self._deferred_stores:
+                assert worker.submit_store(job_id, src, dst)
+                self._pending[job_id] = None
+            self._deferred_stores.clear()
+            if flush:
+                worker.wait(flush)
+            sync = set()
+            for job_id, job in metadata.load_jobs.items():
+                self._pending[job_id] = None if job.sync else job.req_id
+                assert worker.submit_load(job_id, job.src_spec, job.dst_spec, expedited=job.sync)
+                if job.sync:
+                    sync.add(job_id)
+            if sync:
+                worker.wait(sync)
+            for job_id, job in metadata.store_jobs.items():
+                self._deferred_stores.append((job_id, job.src_spec, job.dst_spec))
+            if not metadata.store_jobs and not metadata.load_jobs and self._pending:
+                worker.wait(set(self._pending))  # nothing new this step: let the rest land
+            for result in worker.get_finished():
+                assert result.success, result
+                completed[result.job_id] = 1
+                req_id = self._pending.pop(result.job_id, None)
+                if req_id is not None:
+                    finished_recving.add(req_id)
+        if not completed and not finished_recving:
+            return None
+        return KVConnectorOutput(
+            finished_recving=finished_recving or None,
+            kv_connector_worker_meta=OffloadingWorkerMetadata(completed_jobs=completed),
+        )
+
+
+def build_engine(
+    model: Path,
+    extra_config: Mapping[str, Any],
+    *,
+    num_gpu_blocks: int = 2048,
+    block_size: int = 16,
+    kv_events: KVEventsConfig | None = None,
+    log_stats: bool = True,
+    **config: Any,
+) -> Engine:
+    vllm_config = build_vllm_config(
+        model, extra_config, block_size=block_size, kv_events=kv_events, **config
+    )
+    kv_cache_config = build_kv_cache_config(vllm_config, num_gpu_blocks, block_size)
+    scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(
+        kv_cache_config, vllm_config
+    )
+    kv_cache_config.hash_block_size = hash_block_size
+    scheduler = Scheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=scheduler_block_size,
+        hash_block_size=hash_block_size,
+        log_stats=log_stats,
+    )
+    hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    hasher = get_request_block_hasher(
+        hash_block_size, hash_fn, vllm_config.num_hash_lookahead_tokens
+    )
+    return Engine(vllm_config, kv_cache_config, scheduler, hasher)
+
+
+def native_extra(cpu_bytes: int, **extra: Any) -> dict[str, Any]:
+    """``kv_connector_extra_config`` of vLLM's own ``CPUOffloadingSpec``."""
+    return {"cpu_bytes_to_use": cpu_bytes, **extra}
+
+
+def tiering_extra(cpu_bytes: int, **extra: Any) -> dict[str, Any]:
+    """``kv_connector_extra_config`` that loads `tiering.integrations.vllm.TieringSpec`."""
+    return {
+        "spec_name": "TieringSpec",
+        "spec_module_path": "tiering.integrations.vllm",
+        "cpu_bytes_to_use": cpu_bytes,
+        **extra,
+    }

@@ -1,0 +1,49 @@
+"""tiering inside vLLM 0.33: the offloading spec, the cache policies, a secondary tier.
+
+Every name is loaded on first use, so ``spec_module_path``,
+``cache_policy_module_path`` and a ``secondary_tiers`` entry's ``module_path``
+can all be ``"tiering.integrations.vllm"``: vLLM imports this package and asks
+it for the class it was told to load, and only then is vLLM itself imported
+(by the module that holds that class). The config translation
+(`build_offloading_config`, `is_kv_cache_tensor_packed`) never imports vLLM.
+
+==========================  =============================================
+name                        what vLLM does with it
+==========================  =============================================
+``TieringSpec``             ``spec_name``: an ``OffloadingSpec``
+``ASLRUCachePolicy``, ...   ``eviction_policy``: a CPU-tier ``CachePolicy``
+``RedisSecondaryTier``      a ``secondary_tiers`` entry's ``type``
+==========================  =============================================
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers only
+    from tiering.integrations.vllm.config import (
+        build_offloading_config,
+        is_kv_cache_tensor_packed,
+    )
+
+#: Each name this package exposes -> the submodule that defines it.
+_EXPORTS: dict[str, str] = {
+    "build_offloading_config": "config",
+    "is_kv_cache_tensor_packed": "config",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
