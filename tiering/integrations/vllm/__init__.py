@@ -22,7 +22,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers only
-    from tiering.integrations.vllm.config import (
+    from tiering.integrations.vllm.config import (  # noqa: F401 - the lazy names, typed
         build_offloading_config,
         is_kv_cache_tensor_packed,
     )
