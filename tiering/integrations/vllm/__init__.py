@@ -24,13 +24,31 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # pragma: no cover - for type checkers only
     from tiering.integrations.vllm.config import (  # noqa: F401 - the lazy names, typed
         build_offloading_config,
+        from_vllm_offloading_config,
         is_kv_cache_tensor_packed,
     )
+    from tiering.integrations.vllm.manager import TieringOffloadingManager
+    from tiering.integrations.vllm.policies import (
+        ARCCachePolicy,
+        ASLRUCachePolicy,
+        LRUCachePolicy,
+    )
+    from tiering.integrations.vllm.redis_tier import RedisSecondaryTier
+    from tiering.integrations.vllm.spec import TieringSpec
+    from tiering.integrations.vllm.worker import TieringOffloadingWorker
 
 #: Each name this package exposes -> the submodule that defines it.
 _EXPORTS: dict[str, str] = {
     "build_offloading_config": "config",
+    "from_vllm_offloading_config": "config",
     "is_kv_cache_tensor_packed": "config",
+    "TieringSpec": "spec",
+    "TieringOffloadingManager": "manager",
+    "TieringOffloadingWorker": "worker",
+    "LRUCachePolicy": "policies",
+    "ARCCachePolicy": "policies",
+    "ASLRUCachePolicy": "policies",
+    "RedisSecondaryTier": "redis_tier",
 }
 
 __all__ = sorted(_EXPORTS)
