@@ -1,0 +1,256 @@
+"""`TieringOffloadingManager`: tiering's CPU tier as vLLM 0.33's scheduler-side manager.
+
+vLLM's offloading connector calls an ``OffloadingManager`` once per block key
+(``lookup``) and once per batch of keys (``prepare_load``, ``prepare_store``,
+their ``complete_*``), always with the request's ``ReqContext``. This class
+answers those calls with tiering's `tiering.cpu.manager.CPUOffloadingManager`
+(its slots, chunk states and policy) and translates the types both ways.
+
+Recency. vLLM never calls ``touch``: a request's accesses reach the manager
+through the keys it loads and stores, and are committed when the request ends
+(``on_request_finished``), head of the prefix first, as tiering's own engine
+commits them. The keys are ordered by the position vLLM records for each
+(``req_context.get_offload_key_position``), so stores that arrive out of order
+(sliding-window backfills) still commit in prefix order. A request's keys live
+in its context's scratch space (``set_state``), so nothing is kept for a
+request that vLLM forgets.
+
+Events. With KV events on, the tier's chunk events leave through vLLM's own
+path (``take_events``, drained by the connector into vLLM's publisher) as
+``OffloadingEvent`` records of medium CPU: a landed store is stored, an
+eviction is removed, and a reset removes every chunk the tier held (never a
+medium-less "all cleared", which a router would apply to its GPU state too).
+
+Resets. vLLM discards every job in flight at a reset and never completes
+them (its stale-job threshold), so the tier is emptied at once
+(``reset(force=True)``); chunks that vLLM's workers may still be writing are
+fenced by vLLM itself until ``on_reset_flushed``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
+from vllm.v1.kv_offload.base import (
+    ConfigInfoMapping,
+    LoadStoreSpec,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+)
+from vllm.v1.kv_offload.base import LookupResult as VllmLookupResult
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VllmCPULoadStoreSpec
+from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from tiering.cpu.manager import (
+    AllChunksCleared,
+    ChunksRemoved,
+    ChunksStored,
+    CPUOffloadingManager,
+    LookupResult,
+)
+from tiering.policies import CachePolicy
+
+__all__ = ["TieringMetrics", "TieringOffloadingManager"]
+
+_LOOKUP = {
+    LookupResult.HIT: VllmLookupResult.HIT,
+    LookupResult.MISS: VllmLookupResult.MISS,
+    LookupResult.HIT_PENDING: VllmLookupResult.HIT_PENDING,
+}
+
+
+class TieringMetrics:
+    """Names of the metrics `TieringOffloadingManager` reports besides vLLM's CPU-tier ones."""
+
+    EVICTIONS = "vllm:kv_offload_tiering_cpu_evictions"
+    ALLOCATION_FAILURES = "vllm:kv_offload_tiering_cpu_allocation_failures"
+    STORE_FAILURES = "vllm:kv_offload_tiering_cpu_store_failures"
+
+
+@dataclass(slots=True)
+class _RequestKeys:
+    """The keys one request loaded or stored, in the order first seen."""
+
+    owner: object
+    generation: int
+    keys: dict[OffloadKey, None] = field(default_factory=dict)
+    finished: bool = False
+
+
+class TieringOffloadingManager(OffloadingManager):
+    """vLLM's ``OffloadingManager`` over a tiering `CPUOffloadingManager` of ``num_chunks``.
+
+    ``policy`` is a tiering `CachePolicy` or a policy name
+    (`tiering.policies.POLICY_NAMES`). ``config_info`` is the one series of
+    vLLM's ``kv_offload_config_info`` this tier reports.
+    """
+
+    def __init__(
+        self,
+        num_chunks: int,
+        policy: CachePolicy | str,
+        *,
+        enable_events: bool = False,
+        config_info: ConfigInfoMapping | None = None,
+    ) -> None:
+        self.medium = Medium.CPU
+        self._tier = CPUOffloadingManager(num_chunks, policy, enable_events=enable_events)
+        self._enable_events = enable_events
+        self._config_info: ConfigInfoMapping = dict(config_info or {})
+        self._generation = 0
+        # Counts since the last get_stats(), for vLLM's counters (which add deltas).
+        self._reported = (0, 0, 0)
+        self._allocation_sizes: list[int] = []
+
+    @property
+    def tier(self) -> CPUOffloadingManager:
+        """The tiering manager behind this one (for its `statistics`)."""
+        return self._tier
+
+    # -- requests ---------------------------------------------------------------
+
+    def _request(self, req_context: ReqContext) -> _RequestKeys:
+        state = req_context.get_state(_RequestKeys)
+        if state is None or state.owner is not self or state.generation != self._generation:
+            state = _RequestKeys(owner=self, generation=self._generation)
+            req_context.set_state(state)
+        return state
+
+    def _observe(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+        state = self._request(req_context)
+        if not state.finished:
+            state.keys.update(dict.fromkeys(keys))
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        self._request(req_context)
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        state = req_context.get_state(_RequestKeys)
+        if (
+            state is None
+            or state.owner is not self
+            or state.generation != self._generation
+            or state.finished
+        ):
+            return
+        state.finished = True
+        keys = list(state.keys)
+        if not keys:
+            return
+        positions = [req_context.get_offload_key_position(key) for key in keys]
+        if None not in positions:
+            order = sorted(range(len(keys)), key=positions.__getitem__)  # stable: group order
+            keys = [keys[i] for i in order]
+        # Keys the tier no longer holds are skipped by the policy's touch.
+        self._tier.touch([key for key in keys if self._tier.holds(key)])
+
+    # -- the tier ---------------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> VllmLookupResult:
+        return _LOOKUP[self._tier.lookup(key)]
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
+        return CacheHitSource.HOST
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+        keys = tuple(keys)
+        spec = self._tier.prepare_load(keys)
+        self._observe(keys, req_context)
+        return VllmCPULoadStoreSpec(spec.block_ids.tolist())
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self._tier.complete_load(tuple(keys))
+
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> PrepareStoreOutput | None:
+        keys = tuple(keys)
+        self._observe(keys, req_context)
+        out = self._tier.prepare_store(keys)
+        if out is None:
+            return None
+        if out.keys_to_store:
+            self._allocation_sizes.append(len(out.keys_to_store))
+        return PrepareStoreOutput(
+            keys_to_store=list(out.keys_to_store),
+            store_spec=VllmCPULoadStoreSpec(out.store_spec.block_ids.tolist()),
+            evicted_keys=list(out.evicted_keys),
+        )
+
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> None:
+        self._tier.complete_store(tuple(keys), success)
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self._tier.touch([key for key in keys if self._tier.holds(key)])
+
+    def reset_cache(self) -> None:
+        self._tier.reset(force=True)
+        self._generation += 1
+
+    # -- what vLLM reads --------------------------------------------------------
+
+    def take_events(self) -> Iterator[OffloadingEvent]:
+        if not self._enable_events:
+            return
+        for event in self._tier.take_events():
+            if isinstance(event, ChunksStored):
+                yield OffloadingEvent(keys=list(event.keys), medium=self.medium, removed=False)
+            elif isinstance(event, ChunksRemoved):
+                yield OffloadingEvent(keys=list(event.keys), medium=self.medium, removed=True)
+            elif isinstance(event, AllChunksCleared):
+                held = list(getattr(event, "keys", ()))
+                if held:
+                    yield OffloadingEvent(keys=held, medium=self.medium, removed=True)
+
+    def get_stats(self) -> OffloadingConnectorStats:
+        stats = self._tier.statistics()
+        out = OffloadingConnectorStats()
+        capacity = stats.capacity
+        # vLLM's CPU-tier gauges, with its meanings: the share of slots in use by
+        # transfers (pinned by a load, or being written), and of each kind.
+        busy = (stats.used - stats.evictable) / capacity
+        writing = stats.writing / capacity
+        out.set_gauge(CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC, busy)
+        out.set_gauge(CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC, writing)
+        out.set_gauge(CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC, max(busy - writing, 0.0))
+        for size in self._allocation_sizes:
+            out.observe_histogram(CPUOffloadingMetrics.CPU_ALLOCATION_SIZE, size)
+        self._allocation_sizes.clear()
+        now = (stats.evictions_total, stats.allocation_failures_total, stats.store_failed_total)
+        names = (
+            TieringMetrics.EVICTIONS,
+            TieringMetrics.ALLOCATION_FAILURES,
+            TieringMetrics.STORE_FAILURES,
+        )
+        for name, total, before in zip(names, now, self._reported, strict=True):
+            out.increase_counter(name, total - before)
+        self._reported = now
+        return out
+
+    def config_info(self) -> Sequence[ConfigInfoMapping]:
+        return [self._config_info]
+
+    def __repr__(self) -> str:
+        return f"<TieringOffloadingManager {self._tier!r}>"
+
+
+def metric_names() -> tuple[str, ...]:
+    """The counters `TieringOffloadingManager.get_stats` reports besides vLLM's CPU-tier set."""
+    return (
+        TieringMetrics.EVICTIONS,
+        TieringMetrics.ALLOCATION_FAILURES,
+        TieringMetrics.STORE_FAILURES,
+    )
