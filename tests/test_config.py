@@ -145,6 +145,7 @@ def test_load_json_defaults(tmp_path: Path) -> None:
         dcp_size=1,
         data_parallel_index=0,
         is_parallelism_agnostic=False,
+        data_parallel_size=1,  # no parallel table: one replica
     )
     assert config.tokens_per_chunk == (16,)
 

@@ -77,10 +77,27 @@ _EXTRA_MEANINGS: Mapping[str, str] = MappingProxyType(
 #: (`tiering.scheduler.SchedulerLimits`, read by the engine) and
 #: ``blocks_per_chunk`` (read by `tiering.integrations.vllm`).
 TIERING_EXTRA_KEYS: frozenset[str] = frozenset(_EXTRA_MEANINGS)
-#: ``extra_config`` keys tiering reads with the meaning vLLM gives them:
-#: ``block_size`` (tokens per chunk). Keys close to these are not refused: they
-#: may be another backend's.
-SHARED_EXTRA_KEYS: frozenset[str] = frozenset({"block_size"})
+#: ``extra_config`` keys of vLLM's own (its ``kv_connector_extra_config`` for an
+#: offloading connector) that tiering reads with the meaning vLLM gives them:
+#: ``block_size`` (tokens per chunk), the CPU tier's size and policy, the spec
+#: to load, events, layout and the secondary tiers. They are never taken for a
+#: misspelling of one of `TIERING_EXTRA_KEYS`.
+SHARED_EXTRA_KEYS: frozenset[str] = frozenset(
+    {
+        "block_size",
+        "cpu_bytes_to_use",
+        "eviction_policy",
+        "cache_policy_module_path",
+        "self_describing_kv_events",
+        "offload_prompt_only",
+        "spec_name",
+        "spec_module_path",
+        "canonical_layout",
+        "secondary_tiers",
+        "store_threshold",
+        "max_tracker_size",
+    }
+)
 #: How alike (difflib's ratio) an unknown key must be to one of
 #: `TIERING_EXTRA_KEYS` to be taken for its misspelling.
 _MISSPELLING = 0.8
@@ -111,8 +128,13 @@ VLLM_CACHE_DTYPES: Mapping[str, str] = MappingProxyType(
         "fp8_per_token_head": "uint8",
         "int8_per_token_head": "int8",
         "int4_per_token_head": "uint8",
+        "nvfp4_ds_mla": "uint8",
         "nvfp4": "uint8",
         "nvfp4_4over6": "uint8",
+        "octave_k3v4": "uint8",
+        "octave_k3v3": "uint8",
+        "octave_k3v3_compact": "uint8",
+        "ultraquant_4bit": "uint8",
         "turboquant_k8v4": "uint8",
         "turboquant_4bit_nc": "uint8",
         "turboquant_k3v4_nc": "uint8",
@@ -130,6 +152,11 @@ def _check_int(owner: str, name: str, value: object, minimum: int, meaning: str)
         )
     if value < minimum:
         raise ConfigError(f"{owner}.{name} must be >= {minimum} ({meaning}), got {value}")
+
+
+def _check_bool(owner: str, name: str, value: object, meaning: str) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{owner}.{name} must be a bool ({meaning}), got {value!r}")
 
 
 def _check_text(owner: str, name: str, value: object) -> None:
@@ -215,12 +242,15 @@ class OffloadingGroupConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_un
     (the group's block size times the context-parallel sizes).
     ``sliding_window_size_in_chunks`` is the number of trailing chunks a request
     needs in this group (a sliding-window or Mamba group), or None for full
-    attention, which needs every chunk.
+    attention, which needs every chunk. ``group_id`` is the group's index in
+    vLLM's ``KVCacheConfig.kv_cache_groups`` (vLLM may offload only some of its
+    groups), or None for the group's position in `OffloadingConfig.groups`.
     """
 
     tokens_per_block: int
     layer_names: tuple[str, ...]
     sliding_window_size_in_chunks: int | None = None
+    group_id: int | None = None
 
     def __post_init__(self) -> None:
         owner = "OffloadingGroupConfig"
@@ -244,6 +274,14 @@ class OffloadingGroupConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_un
                 self.sliding_window_size_in_chunks,
                 1,
                 "trailing chunks a request needs; None for full attention",
+            )
+        if self.group_id is not None:
+            _check_int(
+                owner,
+                "group_id",
+                self.group_id,
+                0,
+                "index in vLLM's kv_cache_groups; None = the group's position",
             )
 
 
@@ -296,6 +334,10 @@ class OffloadingParallelConfig(
     ``is_parallelism_agnostic`` is true when concatenating a block's bytes over
     all workers gives the same result whatever the parallel layout, so chunks
     can be shared between engines laid out differently.
+    ``data_parallel_size`` is the number of data-parallel replicas (0 when
+    unknown: a config written before the field existed); when known,
+    ``data_parallel_index`` and ``data_parallel_rank_local`` are below it.
+    ``data_parallel_rank_local`` is set only in vLLM's SPMD mode, else None.
     """
 
     rank: int
@@ -306,6 +348,8 @@ class OffloadingParallelConfig(
     dcp_size: int
     data_parallel_index: int
     is_parallelism_agnostic: bool
+    data_parallel_size: int = 0
+    data_parallel_rank_local: int | None = None
 
     def __post_init__(self) -> None:
         owner = "OffloadingParallelConfig"
@@ -330,6 +374,22 @@ class OffloadingParallelConfig(
                 f"{owner}.is_parallelism_agnostic must be a bool, "
                 f"got {self.is_parallelism_agnostic!r}"
             )
+        size = self.data_parallel_size
+        _check_int(owner, "data_parallel_size", size, 0, "data-parallel replicas; 0 = unknown")
+        if self.data_parallel_rank_local is not None:
+            _check_int(
+                owner,
+                "data_parallel_rank_local",
+                self.data_parallel_rank_local,
+                0,
+                "local data-parallel rank in SPMD mode; None otherwise",
+            )
+        for name in ("data_parallel_index", "data_parallel_rank_local"):
+            value = getattr(self, name)
+            if size and value is not None and value >= size:
+                raise ConfigError(
+                    f"{owner}.{name} must be in [0, data_parallel_size={size}), got {value}"
+                )
 
 
 def _single_rank() -> OffloadingParallelConfig:
@@ -342,6 +402,7 @@ def _single_rank() -> OffloadingParallelConfig:
         dcp_size=1,
         data_parallel_index=0,
         is_parallelism_agnostic=False,
+        data_parallel_size=1,
     )
 
 
@@ -351,8 +412,16 @@ class OffloadingConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     Guarantees, checked on construction and on decoding: every size is
     positive (``worker_kv_bytes_per_block`` may be 0, meaning "not known on the
     scheduler side"), every group's ``tokens_per_block`` is a multiple of
-    ``cache.tokens_per_hash``, and no layer belongs to two groups. An engine
-    without KV-cache groups (an attention-free model) has ``groups == ()``.
+    ``cache.tokens_per_hash``, no layer belongs to two groups and no two groups
+    have one `group_ids` entry. An engine without KV-cache groups (an
+    attention-free model) has ``groups == ()``.
+
+    The last three fields are vLLM's layout decisions, carried as vLLM made
+    them: ``replicated_layout`` (every worker's bytes per block are identical,
+    so one host copy serves all), ``canonical_layout`` (the topology-free
+    per-layer host layout was asked for) and ``kv_cache_layout`` (the name of
+    the worker KV cache's resolved ``KVCacheLayout``, e.g. ``"LBNHC"``; None
+    when not resolved).
     """
 
     groups: tuple[OffloadingGroupConfig, ...]
@@ -367,6 +436,9 @@ class OffloadingConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     model: OffloadingModelConfig
     cache: OffloadingCacheConfig
     parallel: OffloadingParallelConfig = msgspec.field(default_factory=_single_rank)
+    replicated_layout: bool = False
+    canonical_layout: bool = False
+    kv_cache_layout: str | None = None
 
     def __post_init__(self) -> None:
         owner = "OffloadingConfig"
@@ -394,6 +466,14 @@ class OffloadingConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         _check_extra_keys(owner, extra)
         _check_extra_values(owner, extra)
         _check_text(owner, "engine_id", self.engine_id)
+        _check_bool(
+            owner, "replicated_layout", self.replicated_layout, "one host copy for all workers"
+        )
+        _check_bool(
+            owner, "canonical_layout", self.canonical_layout, "the topology-free host layout"
+        )
+        if self.kv_cache_layout is not None:
+            _check_text(owner, "kv_cache_layout", self.kv_cache_layout)
         for name, kind in (
             ("model", OffloadingModelConfig),
             ("cache", OffloadingCacheConfig),
@@ -420,6 +500,22 @@ class OffloadingConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
                         f"groups[{index}]; a layer belongs to exactly one group"
                     )
                 owners[layer] = index
+        seen: dict[int, int] = {}
+        for index, group_id in enumerate(self.group_ids):
+            if group_id in seen:
+                raise ConfigError(
+                    f"{owner}: groups[{seen[group_id]}] and groups[{index}] both have group_id "
+                    f"{group_id} (None stands for the group's position); each group has its own"
+                )
+            seen[group_id] = index
+
+    @property
+    def group_ids(self) -> tuple[int, ...]:
+        """Each group's ``group_id``, its position in ``groups`` where that is None."""
+        return tuple(
+            index if group.group_id is None else group.group_id
+            for index, group in enumerate(self.groups)
+        )
 
     @property
     def tokens_per_chunk(self) -> tuple[int, ...]:

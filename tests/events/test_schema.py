@@ -91,7 +91,7 @@ CASES: dict[str, KVEventBatch] = {
                 locality="REMOTE",
                 ownership="owner",
                 session_id="session-9",
-                lookahead_token_ids=[5, 6],
+                lookahead_token_ids=[[5, 6]],  # one list per block
             )
         ],
         data_parallel_rank=2,
@@ -208,7 +208,7 @@ class VllmBlockStored(VllmEvent, tag="BlockStored"):
     locality: str | None = None
     ownership: str | None = None
     session_id: str | None = None
-    lookahead_token_ids: list[int] | None = None
+    lookahead_token_ids: list[list[int]] | None = None
 
 
 class VllmBlockRemoved(VllmEvent, tag="BlockRemoved"):

@@ -81,9 +81,12 @@ class ChunksRemoved(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag=Tru
 
 
 class AllChunksCleared(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag=True):
-    """The tier was reset: every chunk is gone."""
+    """The tier was reset: every chunk is gone. ``keys`` are the ready chunks it held
+    (those announced by a `ChunksStored`), in the order they landed; a chunk still
+    being written was never announced and is not among them."""
 
     medium: Medium = Medium.CPU
+    keys: tuple[OffloadKey, ...] = ()
 
 
 ChunkEvent = ChunksStored | ChunksRemoved | AllChunksCleared
@@ -509,7 +512,8 @@ class CPUOffloadingManager:
         return events
 
     def reset(self, *, force: bool = False) -> None:
-        """Drop every chunk and the policy's history; queue `AllChunksCleared`.
+        """Drop every chunk and the policy's history; queue `AllChunksCleared` with the
+        keys of the ready chunks dropped.
 
         Refuses (`ChunkStateError`) while chunks are being written or are
         pinned, as their bytes are in use, unless ``force`` (for use after all
@@ -520,6 +524,9 @@ class CPUOffloadingManager:
                 f"cannot reset the tier while {self._writing} chunks are being written and "
                 f"{self._pinned} are pinned; wait for the transfers or pass force=True"
             )
+        held: tuple[OffloadKey, ...] = ()
+        if self._enable_events:
+            held = tuple(k for k, c in self._chunks.items() if c.pins != _WRITING)
         self._chunks.clear()
         self._free.clear()
         self._next_fresh = 0
@@ -530,7 +537,7 @@ class CPUOffloadingManager:
         self._store_jobs.clear()
         self._policy.clear()
         if self._enable_events:
-            self._push_event(AllChunksCleared())
+            self._push_event(AllChunksCleared(keys=held))
 
     def statistics(self) -> ManagerStatistics:
         used = len(self._chunks)

@@ -24,6 +24,7 @@ __all__ = [
     "HashFormat",
     "KVEventsConfig",
     "check_endpoint",
+    "offset_endpoint",
     "tcp_address",
     "wildcard_of",
 ]
@@ -82,6 +83,43 @@ def check_endpoint(where: str, value: object) -> None:
             f"{where} must be tcp://HOST:PORT with a port in 1-65535, or '*' "
             f"for a free one (e.g. 'tcp://*:5557', 'tcp://127.0.0.1:*'), got {value!r}"
         )
+
+
+def offset_endpoint(where: str, endpoint: str, data_parallel_rank: int) -> str:
+    """``endpoint`` for data-parallel rank ``data_parallel_rank``, as vLLM's publisher moves it.
+
+    Rank 0 keeps it; otherwise a ``tcp://`` port grows by the rank (a ``*`` port
+    stays: the system picks a free one, as vLLM leaves port 0) and an
+    ``inproc://`` name gets ``_dp<rank>``. vLLM refuses to offset any other
+    transport, and so does this (`ConfigError`), as it does a port past 65535.
+    """
+    if isinstance(data_parallel_rank, bool) or not isinstance(data_parallel_rank, int):
+        raise ConfigError(
+            f"the data-parallel rank must be an integer >= 0, got {data_parallel_rank!r}"
+        )
+    if data_parallel_rank < 0:
+        raise ConfigError(f"the data-parallel rank must be >= 0, got {data_parallel_rank}")
+    if data_parallel_rank == 0:
+        return endpoint
+    if endpoint.startswith("inproc://"):
+        return f"{endpoint}_dp{data_parallel_rank}"
+    address = tcp_address(endpoint)
+    if address is None:
+        raise ConfigError(
+            f"{where} {endpoint!r} cannot be moved for data-parallel rank {data_parallel_rank}: "
+            "as in vLLM, each rank offsets a tcp:// port or an inproc:// name by its rank; "
+            "give a tcp:// or inproc:// endpoint"
+        )
+    port = address[1]
+    if port == "*":
+        return endpoint
+    moved = int(port) + data_parallel_rank
+    if moved > 65535:
+        raise ConfigError(
+            f"{where} {endpoint!r} moved by data-parallel rank {data_parallel_rank} would be "
+            f"port {moved}, past 65535; give a port <= {65535 - data_parallel_rank}"
+        )
+    return f"{endpoint[: endpoint.rfind(':')]}:{moved}"
 
 
 def _port_ok(port: str) -> bool:

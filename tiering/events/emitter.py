@@ -87,7 +87,7 @@ class KVEventEmitter:
         if self._settings is not None:
             from tiering.events.publisher import ZmqEventPublisher  # pyzmq only when used
 
-            publisher = ZmqEventPublisher(self._settings)
+            publisher = ZmqEventPublisher(self._settings, data_parallel_rank=self._rank)
             self._endpoints = (publisher.endpoint, publisher.replay_endpoint)
             self._binds = publisher.binds
             sinks.append(publisher)

@@ -23,6 +23,12 @@ the loss as a sequence gap that replay cannot fill. ZeroMQ itself drops
 messages for a subscriber past the PUB high-water mark, which no one can count
 here; those the subscriber sees as a gap that replay can fill.
 
+Data parallelism (vLLM's rule): the publisher of data-parallel rank ``r``
+moves both its endpoints by ``r`` (`offset_endpoint`: a ``tcp://`` port plus
+``r``, an ``inproc://`` name with ``_dp<r>``), so each rank has sockets of its
+own, and stamps ``r`` on every batch that comes without a rank (one that names
+a rank keeps it).
+
 Binding or connecting: the PUB socket binds an endpoint with a ``*`` wildcard
 (and ``::``, ``ipc://``, ``inproc://``) and connects to any other, as vLLM
 does; `binds` says which. A connecting PUB socket with no subscriber bound
@@ -57,7 +63,7 @@ import zmq
 from tiering._state import ResourceState
 from tiering.errors import ConfigError, ResourceClosedError
 from tiering.events.bus import SinkStatistics
-from tiering.events.config import KVEventsConfig, wildcard_of
+from tiering.events.config import KVEventsConfig, offset_endpoint, wildcard_of
 from tiering.events.monitor import PeerEvent, PeerMonitor
 from tiering.events.schema import KVEventBatch
 
@@ -110,15 +116,29 @@ class ZmqEventPublisher:
     ``publish`` never blocks and never waits for a subscriber. ``close`` is
     idempotent: it sends what is queued for at most ``close_timeout`` seconds
     (the rest is dropped and counted), gives ZeroMQ the rest of that time to
-    deliver, and joins the thread. Sockets bind or connect in the constructor;
+    deliver, and joins the thread. Sockets bind or connect in the constructor,
+    on the config's endpoints moved by ``data_parallel_rank`` (vLLM's rule);
     an endpoint that cannot be used raises `ConfigError`.
     """
 
-    def __init__(self, config: KVEventsConfig | None = None, *, close_timeout: float = 1.0) -> None:
+    def __init__(
+        self,
+        config: KVEventsConfig | None = None,
+        *,
+        data_parallel_rank: int = 0,
+        close_timeout: float = 1.0,
+    ) -> None:
         self._config = config = KVEventsConfig() if config is None else config
         if close_timeout < 0:
             raise ConfigError(f"close_timeout must be >= 0 seconds, got {close_timeout!r}")
         self._close_timeout = close_timeout
+        endpoint = offset_endpoint("KVEventsConfig.endpoint", config.endpoint, data_parallel_rank)
+        replay_endpoint = config.replay_endpoint
+        if replay_endpoint is not None:
+            replay_endpoint = offset_endpoint(
+                "KVEventsConfig.replay_endpoint", replay_endpoint, data_parallel_rank
+            )
+        self._rank = data_parallel_rank
         self._topic = config.topic.encode()
         self._encoder = msgspec.msgpack.Encoder()
         self._queue: deque[tuple[int, KVEventBatch]] = deque()
@@ -136,7 +156,7 @@ class ZmqEventPublisher:
 
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._pub = ctx.socket(zmq.PUB)
-        self._binds = should_bind(config.endpoint)
+        self._binds = should_bind(endpoint)
         self._warned = False
         # Before connecting, so that no connection event is missed.
         self._peers = None if self._binds else PeerMonitor(self._pub, frozenset(PeerEvent))
@@ -148,14 +168,14 @@ class ZmqEventPublisher:
             self._pub.setsockopt(zmq.SNDHWM, config.hwm)
             if not self._binds:  # before connecting: the setting applies to new connections
                 self._pub.setsockopt(zmq.HANDSHAKE_IVL, _HANDSHAKE_IVL_MS)
-            self._endpoint = self._attach(self._pub, "endpoint", config.endpoint)
+            self._endpoint = self._attach(self._pub, "endpoint", endpoint)
             self._replay_endpoint: str | None = None
-            if config.replay_endpoint is not None:
+            if replay_endpoint is not None:
                 self._replay = ctx.socket(zmq.ROUTER)
                 # A whole replay must fit in the client's pipe, or its tail is dropped.
                 self._replay.setsockopt(zmq.SNDHWM, config.buffer_steps + 2)
                 self._replay_endpoint = self._attach(
-                    self._replay, "replay_endpoint", config.replay_endpoint, bind=True
+                    self._replay, "replay_endpoint", replay_endpoint, bind=True
                 )
             self._wake_rx.bind(wake)
             self._wake_tx.connect(wake)
@@ -188,6 +208,11 @@ class ZmqEventPublisher:
     @property
     def config(self) -> KVEventsConfig:
         return self._config
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """The rank stamped on batches without one; the endpoints are moved by it."""
+        return self._rank
 
     @property
     def endpoint(self) -> str:
@@ -340,6 +365,8 @@ class ZmqEventPublisher:
 
     def _send(self, seq: int, batch: KVEventBatch) -> None:
         try:
+            if batch.data_parallel_rank is None:
+                batch = msgspec.structs.replace(batch, data_parallel_rank=self._rank)
             payload = self._encoder.encode(batch)
         except Exception:  # a batch that cannot be encoded: lose it, counted, and go on
             logger.exception("ZMQ publisher: batch %d cannot be encoded; dropped", seq)

@@ -83,7 +83,8 @@ class BlockStored(KVCacheEvent, frozen=True, kw_only=True):
     locality: str | None = None
     ownership: str | None = None
     session_id: str | None = None
-    lookahead_token_ids: list[int] | None = None
+    #: The tokens past each block that went into its hash, one list per block (vLLM 0.33).
+    lookahead_token_ids: list[list[int]] | None = None
 
 
 class BlockRemoved(KVCacheEvent, frozen=True, kw_only=True):

@@ -120,7 +120,7 @@ class TieringOffloadingManager(OffloadingManager):
     # -- requests ---------------------------------------------------------------
 
     def _request(self, req_context: ReqContext) -> _RequestKeys:
-        state = req_context.get_state(_RequestKeys)
+        state: _RequestKeys | None = req_context.get_state(_RequestKeys)
         if state is None or state.owner is not self or state.generation != self._generation:
             state = _RequestKeys(owner=self, generation=self._generation)
             req_context.set_state(state)

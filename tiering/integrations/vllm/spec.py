@@ -133,7 +133,8 @@ class TieringSpec(OffloadingSpec):
 
     @classmethod
     def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
-        return TieringOffloadingInfo.config_info_keys()
+        keys: tuple[str, ...] = TieringOffloadingInfo.config_info_keys()
+        return keys
 
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
