@@ -407,7 +407,23 @@ def test_tiering_extra_keys_are_the_ones_the_code_reads() -> None:
 
     # The engine reads the scheduler limits, the vLLM integration blocks_per_chunk.
     assert set(SchedulerLimits.__struct_fields__) | {"blocks_per_chunk"} == TIERING_EXTRA_KEYS
-    assert {"block_size"} == SHARED_EXTRA_KEYS
+    # vLLM's own kv_connector_extra_config keys that tiering's vLLM spec reads
+    assert {
+        "block_size", "cpu_bytes_to_use", "eviction_policy", "cache_policy_module_path",
+        "self_describing_kv_events", "offload_prompt_only", "spec_name", "spec_module_path",
+        "canonical_layout", "secondary_tiers", "store_threshold", "max_tracker_size",
+    } == SHARED_EXTRA_KEYS  # fmt: skip
+
+
+def test_vllms_own_keys_pass_and_are_named_in_the_misspelling_message() -> None:
+    shared = dict.fromkeys(sorted(SHARED_EXTRA_KEYS), 1)
+    assert msgspec.structs.replace(HYBRID, extra_config=shared).extra_config == shared
+    with pytest.raises(ConfigError) as info:
+        msgspec.structs.replace(HYBRID, extra_config={**shared, "slice_chunk": 4})
+    message = str(info.value)
+    assert "did you mean 'slice_chunks'?" in message
+    for key in ("store_threshold", "max_tracker_size", "offload_prompt_only", "spec_name"):
+        assert repr(key) in message  # listed among the keys tiering reads
 
 
 @pytest.mark.parametrize(
@@ -523,7 +539,10 @@ def test_the_torch_dtype_names_are_torchs() -> None:
     ("dtype", "storage"),
     [("bfloat16", "bfloat16"), ("half", "half"), ("float8_e4m3fn", "float8_e4m3fn"),
      ("int64", "int64"), ("fp8", "uint8"), ("fp8_e4m3", "uint8"), ("fp8_inc", "float8_e4m3fn"),
-     ("int8_per_token_head", "int8")],
+     ("int8_per_token_head", "int8"),
+     # vLLM 0.33's cache dtypes (its CacheDType), all stored as bytes
+     ("nvfp4_ds_mla", "uint8"), ("octave_k3v4", "uint8"), ("octave_k3v3", "uint8"),
+     ("octave_k3v3_compact", "uint8"), ("ultraquant_4bit", "uint8")],
 )  # fmt: skip
 def test_torch_and_vllm_dtypes_are_accepted(dtype: str, storage: str) -> None:
     model = OffloadingModelConfig(name="m", dtype=dtype)
@@ -608,3 +627,118 @@ def test_for_full_attention_checks_like_the_constructor(kwargs: Any, pattern: st
                             "tokens_per_block": 16, **kwargs}  # fmt: skip
     with pytest.raises(ConfigError, match=pattern):
         OffloadingConfig.for_full_attention(**args)
+
+
+# --- the fields vLLM 0.33 added (group_id, data parallelism, layouts) ------------------------
+
+#: What vLLM 0.33 builds for a DP rank: every new field set.
+VLLM_033_TOML = (
+    HYBRID_TOML.replace(
+        'engine_id = "engine-0"\n',
+        'engine_id = "engine-0"\nreplicated_layout = true\ncanonical_layout = true\n'
+        'kv_cache_layout = "LBNHC"\n',
+    )
+    .replace(
+        "sliding_window_size_in_chunks = 63\n", "sliding_window_size_in_chunks = 63\ngroup_id = 3\n"
+    )
+    .replace(
+        "data_parallel_index = 0\n",
+        "data_parallel_index = 1\ndata_parallel_size = 4\ndata_parallel_rank_local = 1\n",
+    )
+)
+
+
+def test_an_old_file_gets_the_new_fields_defaults(tmp_path: Path) -> None:
+    path = tmp_path / "old.toml"
+    path.write_text(HYBRID_TOML.replace("data_parallel_index = 0", "data_parallel_index = 3"))
+    config = load_config(path)
+    assert [group.group_id for group in config.groups] == [None, None]
+    assert config.group_ids == (0, 1)  # None: the group's position
+    # a DP index without the number of replicas (unknown, 0) is still accepted
+    assert config.parallel.data_parallel_index == 3
+    assert config.parallel.data_parallel_size == 0
+    assert config.parallel.data_parallel_rank_local is None
+    assert (config.replicated_layout, config.canonical_layout) == (False, False)
+    assert config.kv_cache_layout is None
+
+
+def test_the_new_fields_load_and_round_trip(tmp_path: Path) -> None:
+    path = tmp_path / "new.toml"
+    path.write_text(VLLM_033_TOML)
+    config = load_config(path)
+    assert config.group_ids == (0, 3)
+    assert config.groups[1].group_id == 3
+    assert (config.parallel.data_parallel_index, config.parallel.data_parallel_size) == (1, 4)
+    assert config.parallel.data_parallel_rank_local == 1
+    assert (config.replicated_layout, config.canonical_layout) == (True, True)
+    assert config.kv_cache_layout == "LBNHC"
+    again = tmp_path / "new.json"
+    again.write_bytes(msgspec.json.encode(config))
+    assert load_config(again) == config
+    assert config != HYBRID
+
+
+def _parallel(**fields: Any) -> OffloadingParallelConfig:
+    values: dict[str, Any] = {"rank": 0, "world_size": 1, "tp_size": 1, "pp_size": 1,
+                              "pcp_size": 1, "dcp_size": 1, "data_parallel_index": 0,
+                              "is_parallelism_agnostic": False, **fields}  # fmt: skip
+    return OffloadingParallelConfig(**values)
+
+
+def _two_groups(first: int | None, second: int | None) -> OffloadingConfig:
+    return msgspec.structs.replace(
+        HYBRID,
+        groups=(
+            OffloadingGroupConfig(tokens_per_block=16, layer_names=("a",), group_id=first),
+            OffloadingGroupConfig(tokens_per_block=16, layer_names=("b",), group_id=second),
+        ),
+    )
+
+
+@pytest.mark.parametrize(
+    ("build", "pattern"),
+    [
+        (lambda: OffloadingGroupConfig(tokens_per_block=16, layer_names=("a",), group_id=-1),
+         r"OffloadingGroupConfig\.group_id must be >= 0 .*got -1"),
+        (lambda: OffloadingGroupConfig(tokens_per_block=16, layer_names=("a",),
+                                       group_id=bad(True)),
+         r"group_id must be an integer .*got True of type bool"),
+        (lambda: _two_groups(2, 2), r"groups\[0\] and groups\[1\] both have group_id 2"),
+        # None is the position: groups[1] at position 1 collides with an explicit 1
+        (lambda: _two_groups(1, None), r"groups\[0\] and groups\[1\] both have group_id 1"),
+        (lambda: _parallel(data_parallel_size=-1), r"data_parallel_size must be >= 0 .*got -1"),
+        (lambda: _parallel(data_parallel_index=2, data_parallel_size=2),
+         r"data_parallel_index must be in \[0, data_parallel_size=2\), got 2"),
+        (lambda: _parallel(data_parallel_size=2, data_parallel_rank_local=2),
+         r"data_parallel_rank_local must be in \[0, data_parallel_size=2\), got 2"),
+        (lambda: _parallel(data_parallel_rank_local=-1),
+         r"data_parallel_rank_local must be >= 0 .*got -1"),
+        (lambda: _parallel(data_parallel_rank_local=bad("0")),
+         r"data_parallel_rank_local must be an integer .*got '0' of type str"),
+        (lambda: msgspec.structs.replace(HYBRID, replicated_layout=bad(1)),
+         r"OffloadingConfig\.replicated_layout must be a bool .*got 1"),
+        (lambda: msgspec.structs.replace(HYBRID, canonical_layout=bad("true")),
+         r"OffloadingConfig\.canonical_layout must be a bool .*got 'true'"),
+        (lambda: msgspec.structs.replace(HYBRID, kv_cache_layout=""),
+         r"OffloadingConfig\.kv_cache_layout must be a non-empty string, got ''"),
+    ],
+)  # fmt: skip
+def test_the_new_fields_are_checked(build: Any, pattern: str) -> None:
+    with pytest.raises(ConfigError, match=pattern):
+        build()
+
+
+def test_distinct_group_ids_in_any_order_are_accepted() -> None:
+    assert _two_groups(5, 0).group_ids == (5, 0)
+    assert _two_groups(None, 7).group_ids == (0, 7)
+    assert _parallel(data_parallel_index=3, data_parallel_size=4).data_parallel_size == 4
+
+
+def test_a_bad_new_field_in_a_file_names_its_path(tmp_path: Path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(VLLM_033_TOML.replace("data_parallel_size = 4", "data_parallel_size = 1"))
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert "data_parallel_index must be in [0, data_parallel_size=1), got 1" in message
+    assert "`$.parallel`" in message
