@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from types import SimpleNamespace
+from types import MappingProxyType, SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -19,7 +19,11 @@ from tiering.config import (
 )
 from tiering.cpu.common import CPUOffloadingInfo
 from tiering.errors import ConfigError
-from tiering.integrations.vllm import build_offloading_config, is_kv_cache_tensor_packed
+from tiering.integrations.vllm import (
+    build_offloading_config,
+    from_vllm_offloading_config,
+    is_kv_cache_tensor_packed,
+)
 
 # --- stand-ins named like vLLM's classes (vllm/v1/kv_cache_interface.py) --------------
 
@@ -58,6 +62,11 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
 @dataclass(frozen=True)
 class MambaSpec(KVCacheSpec):
     mamba_cache_mode: str = "align"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlidingWindowMLASpec(SlidingWindowSpec):  # with bounded replay: not prefix-cacheable
+    prefix_cacheable: bool = False
 
 
 @dataclass(frozen=True)
@@ -166,14 +175,14 @@ def hybrid_kv_cache_config(window: int = 4000, num_blocks: int = 500) -> KVCache
     )
 
 
-def mamba_kv_cache_config(mamba_block_size: int) -> KVCacheConfig:
+def mamba_kv_cache_config(mamba_block_size: int, mode: str = "align") -> KVCacheConfig:
     """Attention with 32-token blocks and Mamba layers with ``mamba_block_size``."""
     return KVCacheConfig(
         num_blocks=100,
         kv_cache_tensors=[KVCacheTensor(size=100 * 4096, shared_by=["attn.0", "mamba.0"])],
         kv_cache_groups=[
             KVCacheGroupSpec(["attn.0"], FullAttentionSpec(block_size=32)),
-            KVCacheGroupSpec(["mamba.0"], MambaSpec(block_size=mamba_block_size)),
+            KVCacheGroupSpec(["mamba.0"], MambaSpec(mamba_block_size, mamba_cache_mode=mode)),
         ],
     )
 
@@ -188,7 +197,7 @@ def test_llama_single_group() -> None:
     )
     names = tuple(f"model.layers.{i}.self_attn.attn" for i in range(32))
     assert config == OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=names),),
+        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=names, group_id=0),),
         # 32 tensors of 1000 * 65536 bytes over 1000 blocks
         worker_kv_bytes_per_block=32 * 65536,
         enable_kv_cache_events=True,
@@ -218,10 +227,13 @@ def test_hybrid_sliding_window() -> None:
         make_vllm_config(extra={"block_size": 64}), hybrid_kv_cache_config(window=4000)
     )
     assert config.groups == (
-        OffloadingGroupConfig(tokens_per_block=16, layer_names=("l.0", "l.2")),
+        OffloadingGroupConfig(tokens_per_block=16, layer_names=("l.0", "l.2"), group_id=0),
         # ceil(4000 / 64) = 63 chunks (62.5 rounds up)
         OffloadingGroupConfig(
-            tokens_per_block=16, layer_names=("l.1", "l.3"), sliding_window_size_in_chunks=63
+            tokens_per_block=16,
+            layer_names=("l.1", "l.3"),
+            sliding_window_size_in_chunks=63,
+            group_id=1,
         ),
     )
     assert config.cache == OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=4)
@@ -260,9 +272,12 @@ def test_mamba_hybrid_in_align_mode() -> None:
         mamba_kv_cache_config(mamba_block_size=64),
     )
     assert config.groups == (
-        OffloadingGroupConfig(tokens_per_block=32, layer_names=("attn.0",)),
+        OffloadingGroupConfig(tokens_per_block=32, layer_names=("attn.0",), group_id=0),
         OffloadingGroupConfig(
-            tokens_per_block=64, layer_names=("mamba.0",), sliding_window_size_in_chunks=1
+            tokens_per_block=64,
+            layer_names=("mamba.0",),
+            sliding_window_size_in_chunks=1,
+            group_id=1,
         ),
     )
     assert config.cache == OffloadingCacheConfig(tokens_per_hash=32, blocks_per_chunk=2)
@@ -270,11 +285,88 @@ def test_mamba_hybrid_in_align_mode() -> None:
     assert config.tokens_per_chunk == (64, 128)
 
 
-def test_hash_block_size_override() -> None:
+def test_prefix_match_unit_override() -> None:
+    vllm_config = make_vllm_config(block_size=64)
+    vllm_config.cache_config.prefix_match_unit = 16
+    config = build_offloading_config(vllm_config, mamba_kv_cache_config(mamba_block_size=64))
+    assert config.cache.tokens_per_hash == 16
+
+
+def test_hash_block_size_is_not_an_input() -> None:
+    # vLLM 0.33's cache_config.hash_block_size is what its engine core resolved, not
+    # a request: the GCD of the groups' 32 and 64 stands
     vllm_config = make_vllm_config(block_size=64)
     vllm_config.cache_config.hash_block_size = 16
     config = build_offloading_config(vllm_config, mamba_kv_cache_config(mamba_block_size=64))
-    assert config.cache.tokens_per_hash == 16
+    assert config.cache.tokens_per_hash == 32
+
+
+def test_mamba_in_align_mode_with_a_larger_block_hashes_at_the_gcd() -> None:
+    # the Mamba block (64) differs from the cache block (32), but align mode keeps
+    # the hash block at gcd(32, 64) = 32 (the seed took the LCM, 64, and refused)
+    config = build_offloading_config(
+        make_vllm_config(block_size=32), mamba_kv_cache_config(mamba_block_size=64)
+    )
+    assert config.cache.tokens_per_hash == 32
+    assert [group.tokens_per_block for group in config.groups] == [32, 64]
+
+
+def test_mamba_mode_falls_back_to_the_cache_config() -> None:
+    @dataclass(frozen=True)
+    class BareMambaSpec(KVCacheSpec):  # a Mamba spec without mamba_cache_mode
+        pass
+
+    BareMambaSpec.__name__ = "MambaSpec"
+    kv_cache_config = mamba_kv_cache_config(mamba_block_size=64)
+    kv_cache_config.kv_cache_groups[1].kv_cache_spec = BareMambaSpec(block_size=64)
+    vllm_config = make_vllm_config(block_size=64, extra={"blocks_per_chunk": 1})
+    # absent everywhere: vLLM's default "none" hashes whole scheduler blocks
+    # (lcm(32, 64) = 64), which the 32-token attention block misses
+    with pytest.raises(ConfigError, match=r"tokens_per_hash=64"):
+        build_offloading_config(vllm_config, kv_cache_config)
+    vllm_config.cache_config.mamba_cache_mode = "align"
+    assert build_offloading_config(vllm_config, kv_cache_config).cache.tokens_per_hash == 32
+
+
+def test_a_mamba_layer_inside_a_uniform_type_group_counts() -> None:
+    kv_cache_config = mamba_kv_cache_config(mamba_block_size=64, mode="all")
+    inner = {"mamba.0": kv_cache_config.kv_cache_groups[1].kv_cache_spec}
+    kv_cache_config.kv_cache_groups[1].kv_cache_spec = UniformTypeKVCacheSpecs(64, inner)
+    with pytest.raises(ConfigError, match=r"tokens_per_hash=64"):
+        build_offloading_config(make_vllm_config(block_size=64), kv_cache_config)
+
+
+def test_groups_outside_prefix_caching_do_not_set_the_hash_block() -> None:
+    # vLLM hashes at the GCD of the prefix-cacheable groups only: 64, not gcd(64, 32);
+    # the seed keeps every group, and a 32-token block cannot hold 64-token hashes
+    kv_cache_config = KVCacheConfig(
+        num_blocks=0,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(["a"], FullAttentionSpec(block_size=64)),
+            KVCacheGroupSpec(["b"], SlidingWindowMLASpec(block_size=32, sliding_window=64)),
+        ],
+    )
+    vllm_config = make_vllm_config(block_size=64)
+    with pytest.raises(ConfigError, match=r"group 1 has tokens_per_block=32 .*tokens_per_hash=64"):
+        build_offloading_config(vllm_config, kv_cache_config)
+    # a prefix-cacheable window counts: gcd(64, 32) = 32
+    kv_cache_config.kv_cache_groups[1].kv_cache_spec = SlidingWindowSpec(
+        block_size=32, sliding_window=64
+    )
+    assert build_offloading_config(vllm_config, kv_cache_config).cache.tokens_per_hash == 32
+
+
+def test_a_single_group_refuses_another_prefix_match_unit() -> None:
+    vllm_config = make_vllm_config()
+    vllm_config.cache_config.prefix_match_unit = 8
+    with pytest.raises(ConfigError) as info:
+        build_offloading_config(vllm_config, llama_kv_cache_config())
+    message = str(info.value)
+    assert "prefix_match_unit=8" in message
+    assert "block of 16 tokens; unset it or set it to 16" in message
+    vllm_config.cache_config.prefix_match_unit = 16
+    assert build_offloading_config(vllm_config, llama_kv_cache_config()).cache.tokens_per_hash == 16
 
 
 def test_context_parallel_scales_tokens_per_block() -> None:
@@ -533,11 +625,11 @@ def test_rejects_bad_chunk_settings(extra: dict[str, Any], pattern: str) -> None
 
 
 def test_rejects_tokens_per_block_not_divisible_by_tokens_per_hash() -> None:
-    # Mamba outside align mode (block 1024 != cache block 32): vLLM hashes whole
-    # scheduler blocks, lcm(32, 1024) = 1024, which the 32-token attention block misses
+    # Mamba outside align mode: vLLM hashes whole scheduler blocks,
+    # lcm(32, 1024) = 1024, which the 32-token attention block misses
     with pytest.raises(ConfigError) as info:
         build_offloading_config(
-            make_vllm_config(block_size=32), mamba_kv_cache_config(mamba_block_size=1024)
+            make_vllm_config(block_size=32), mamba_kv_cache_config(1024, mode="none")
         )
     message = str(info.value)
     assert "KV-cache group 0 has tokens_per_block=32" in message
@@ -552,13 +644,13 @@ def test_rejects_single_group_block_size_off_the_hash_block() -> None:
         build_offloading_config(make_vllm_config(block_size=32), llama_kv_cache_config())
 
 
-def test_rejects_hash_block_size_that_does_not_divide() -> None:
+def test_rejects_prefix_match_unit_that_does_not_divide() -> None:
     vllm_config = make_vllm_config(block_size=64)
-    vllm_config.cache_config.hash_block_size = 48
+    vllm_config.cache_config.prefix_match_unit = 48
     with pytest.raises(ConfigError) as info:
         build_offloading_config(vllm_config, mamba_kv_cache_config(mamba_block_size=64))
     message = str(info.value)
-    assert "hash_block_size=48 does not divide" in message
+    assert "prefix_match_unit=48 does not divide" in message
     assert "[32, 64]" in message
     assert "GCD 32" in message
 
@@ -728,3 +820,233 @@ def test_is_kv_cache_tensor_packed_rejects(stride: object, pattern: str) -> None
 def test_a_cache_dtype_that_is_no_dtype_is_refused(bad: Any) -> None:
     with pytest.raises(ConfigError, match=r"cache_config\.cache_dtype must be a dtype name"):
         build_offloading_config(make_vllm_config(cache_dtype=bad), llama_kv_cache_config())
+
+
+# --- the fields vLLM 0.33 added ------------------------------------------------------------
+
+
+def test_group_ids_are_the_groups_indices() -> None:
+    config = build_offloading_config(make_vllm_config(), hybrid_kv_cache_config())
+    assert [group.group_id for group in config.groups] == [0, 1]
+    assert config.group_ids == (0, 1)
+
+
+def test_data_parallel_fields_and_the_layout_are_copied_where_present() -> None:
+    vllm_config = make_vllm_config()
+    absent = build_offloading_config(vllm_config, llama_kv_cache_config())
+    assert (absent.parallel.data_parallel_size, absent.parallel.data_parallel_rank_local) == (
+        0,
+        None,
+    )
+    assert absent.kv_cache_layout is None
+    vllm_config.parallel_config.data_parallel_size = 4
+    vllm_config.parallel_config.data_parallel_index = 3
+    vllm_config.parallel_config.data_parallel_rank_local = np.int64(1)
+    vllm_config.cache_config.kv_cache_layout = "LBNHC"
+    config = build_offloading_config(vllm_config, llama_kv_cache_config())
+    assert config.parallel.data_parallel_size == 4
+    assert config.parallel.data_parallel_index == 3
+    assert config.parallel.data_parallel_rank_local == 1
+    assert type(config.parallel.data_parallel_rank_local) is int
+    assert config.kv_cache_layout == "LBNHC"
+    assert config.replicated_layout is False  # the seed never computes vLLM's rule
+
+
+@pytest.mark.parametrize(
+    ("mutate", "pattern"),
+    [
+        (lambda v: setattr(v.parallel_config, "data_parallel_size", -1),
+         r"parallel_config\.data_parallel_size must be >= 0, got -1"),
+        (lambda v: (setattr(v.parallel_config, "data_parallel_size", 2),
+                    setattr(v.parallel_config, "data_parallel_index", 2)),
+         r"data_parallel_index must be in \[0, data_parallel_size=2\), got 2"),
+        (lambda v: setattr(v.parallel_config, "data_parallel_rank_local", -1),
+         r"parallel_config\.data_parallel_rank_local must be >= 0, got -1"),
+        (lambda v: setattr(v.cache_config, "kv_cache_layout", 3),
+         r"kv_cache_layout must be the name of a KVCacheLayout \(e\.g\. 'LBNHC'\) or None, got 3"),
+    ],
+)  # fmt: skip
+def test_the_new_fields_are_checked(mutate: Any, pattern: str) -> None:
+    vllm_config = make_vllm_config()
+    mutate(vllm_config)
+    with pytest.raises(ConfigError, match=pattern):
+        build_offloading_config(vllm_config, llama_kv_cache_config())
+
+
+@pytest.mark.parametrize(("value", "expected"), [(True, True), (False, False), (None, False)])
+def test_canonical_layout_comes_from_the_extra_config(value: bool | None, expected: bool) -> None:
+    extra = {} if value is None else {"canonical_layout": value}
+    config = build_offloading_config(make_vllm_config(extra=extra), llama_kv_cache_config())
+    assert config.canonical_layout is expected
+
+
+@pytest.mark.parametrize("value", ["false", 1, "yes"])
+def test_canonical_layout_must_be_a_bool(value: object) -> None:
+    with pytest.raises(ConfigError) as info:
+        build_offloading_config(
+            make_vllm_config(extra={"canonical_layout": value}), llama_kv_cache_config()
+        )
+    message = str(info.value)
+    assert f"['canonical_layout'] must be true or false, got {value!r}" in message
+    assert "the string 'false' as true" in message
+
+
+# --- from_vllm_offloading_config, on stand-ins of vLLM's dataclasses ------------------------
+
+
+@dataclass(frozen=True)
+class VllmGroup:
+    tokens_per_block: int
+    layer_names: tuple[str, ...]
+    group_id: int
+    sliding_window_size_in_chunks: int | None = None
+
+
+@dataclass(frozen=True)
+class VllmModel:
+    name: str
+    dtype: str
+    max_model_len: int = 0
+
+
+@dataclass(frozen=True)
+class VllmCache:
+    tokens_per_hash: int
+    blocks_per_chunk: int
+
+
+@dataclass(frozen=True)
+class VllmParallel:
+    rank: int = 0
+    world_size: int = 2
+    tp_size: int = 2
+    pp_size: int = 1
+    pcp_size: int = 1
+    dcp_size: int = 1
+    data_parallel_index: int = 1
+    data_parallel_size: int = 2
+    data_parallel_rank_local: int | None = 1
+    is_parallelism_agnostic: bool = True
+
+
+@dataclass(frozen=True)
+class VllmOffloadingConfig:
+    groups: tuple[VllmGroup, ...]
+    worker_kv_bytes_per_block: int
+    enable_kv_cache_events: bool
+    extra_config: Mapping[str, Any]
+    engine_id: str
+    model: VllmModel
+    cache: VllmCache
+    parallel: VllmParallel
+    replicated_layout: bool = False
+    canonical_layout: bool = False
+    kv_cache_layout: str | None = None
+
+
+def vllm_offloading_config(**changes: Any) -> VllmOffloadingConfig:
+    values: dict[str, Any] = {
+        # vLLM offloads some groups only: ids 0 and 2 of three
+        "groups": (
+            VllmGroup(32, ("l.0", "l.2"), 0),
+            VllmGroup(32, ("l.1",), 2, sliding_window_size_in_chunks=3),
+        ),
+        "worker_kv_bytes_per_block": 0,  # the scheduler side
+        "enable_kv_cache_events": True,
+        "extra_config": MappingProxyType({"cpu_bytes_to_use": 1 << 30, "blocks_per_chunk": "2"}),
+        "engine_id": "engine-7",
+        "model": VllmModel("org/model", "fp8_e4m3", 32768),
+        "cache": VllmCache(16, 2),
+        "parallel": VllmParallel(),
+        "replicated_layout": True,
+        "canonical_layout": True,
+        "kv_cache_layout": "LBNHC",
+        **changes,
+    }
+    return VllmOffloadingConfig(**values)
+
+
+def test_from_vllm_keeps_every_field() -> None:
+    config = from_vllm_offloading_config(vllm_offloading_config())
+    assert config == OffloadingConfig(
+        groups=(
+            OffloadingGroupConfig(tokens_per_block=32, layer_names=("l.0", "l.2"), group_id=0),
+            OffloadingGroupConfig(
+                tokens_per_block=32,
+                layer_names=("l.1",),
+                sliding_window_size_in_chunks=3,
+                group_id=2,
+            ),
+        ),
+        worker_kv_bytes_per_block=0,
+        enable_kv_cache_events=True,
+        extra_config={"cpu_bytes_to_use": 1 << 30, "blocks_per_chunk": "2"},
+        engine_id="engine-7",
+        model=OffloadingModelConfig(name="org/model", dtype="fp8_e4m3", max_model_len=32768),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=2),
+        parallel=OffloadingParallelConfig(
+            rank=0,
+            world_size=2,
+            tp_size=2,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=1,
+            is_parallelism_agnostic=True,
+            data_parallel_size=2,
+            data_parallel_rank_local=1,
+        ),
+        replicated_layout=True,
+        canonical_layout=True,
+        kv_cache_layout="LBNHC",
+    )
+    assert type(config.extra_config) is dict
+
+
+def test_from_vllm_takes_vllms_defaults_and_numpy_integers() -> None:
+    vllm_config = SimpleNamespace(**vars(vllm_offloading_config()))
+    for name in ("replicated_layout", "canonical_layout", "kv_cache_layout"):
+        delattr(vllm_config, name)
+    vllm_config.model = SimpleNamespace(name="m", dtype="float16")
+    vllm_config.cache = VllmCache(np.int64(16), np.int32(2))  # type: ignore[arg-type]
+    config = from_vllm_offloading_config(vllm_config)
+    assert (config.replicated_layout, config.canonical_layout) == (False, False)
+    assert config.kv_cache_layout is None
+    assert config.model.max_model_len == 0
+    assert config.cache == OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=2)
+
+
+def _drop_group_id(config: Any) -> None:
+    config.groups = (SimpleNamespace(tokens_per_block=16, layer_names=("a",)),)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "pattern"),
+    [
+        (lambda c: delattr(c, "engine_id"), r"^config\.engine_id is missing"),
+        (lambda c: setattr(c, "parallel", SimpleNamespace(rank=0)),
+         r"^config\.parallel\.world_size is missing"),
+        (_drop_group_id, r"^config\.groups\[0\]\.group_id is missing"),
+        (lambda c: setattr(c, "extra_config", None),
+         r"^vLLM's config\.extra_config must be a mapping, got None"),
+        # what vLLM carries but tiering refuses, named
+        (lambda c: setattr(c, "extra_config", {"blocks_per_chunk": 2.7}),
+         r"^vLLM's OffloadingConfig cannot be taken: OffloadingConfig\.extra_config"
+         r"\['blocks_per_chunk'\] must be a positive integer .*got 2\.7 of type float"),
+        (lambda c: setattr(c, "extra_config", {"max_queud_jobs": 4}),
+         r"has key 'max_queud_jobs', .*did you mean 'max_queued_jobs'"),
+        (lambda c: setattr(c, "model", VllmModel("m", "my_platform_fp6")),
+         r"OffloadingModelConfig\.dtype='my_platform_fp6' is not a dtype torch or vLLM knows"),
+        (lambda c: setattr(c, "groups", (VllmGroup(16, ("a",), 1), VllmGroup(16, ("b",), 1))),
+         r"groups\[0\] and groups\[1\] both have group_id 1"),
+        (lambda c: setattr(c, "groups", (VllmGroup(16, ("a",), -1),)),
+         r"^vLLM's config\.groups\[0\] cannot be taken: .*group_id must be >= 0"),
+        (lambda c: setattr(c, "parallel", VllmParallel(data_parallel_index=2)),
+         r"data_parallel_index must be in \[0, data_parallel_size=2\), got 2"),
+    ],
+)  # fmt: skip
+def test_from_vllm_refuses_what_tiering_cannot_take(mutate: Any, pattern: str) -> None:
+    vllm_config = SimpleNamespace(**vars(vllm_offloading_config()))
+    mutate(vllm_config)
+    with pytest.raises(ConfigError, match=pattern):
+        from_vllm_offloading_config(vllm_config)

@@ -1,11 +1,15 @@
 """Build an `OffloadingConfig` from a live vLLM configuration, without importing vLLM.
 
-`build_offloading_config` follows vLLM's function of that name
-(``vllm/distributed/kv_transfer/kv_connector/v1/offloading/config.py``) and the
-helpers it calls (``resolve_kv_cache_block_sizes`` for the prefix-hash block
-size, the offloading scheduler's ``get_sliding_window_size_in_chunks``). Where
-vLLM asserts, this module raises a `ConfigError` that says what was wrong, the
-value, and what would be right.
+`build_offloading_config` follows the seed's version of vLLM's function of that
+name (``vllm/distributed/kv_transfer/kv_connector/v1/offloading/config.py``) and
+the helpers it calls (``resolve_kv_cache_block_sizes`` for the prefix-hash block
+size, as vLLM 0.33 resolves it; the offloading scheduler's
+``get_sliding_window_size_in_chunks``). It is what tiering's own engine and CLI
+use. vLLM 0.33's function has moved on (``docs/vllm.md`` lists where the two
+differ); inside vLLM a spec is handed vLLM's own ``OffloadingConfig``, which
+`from_vllm_offloading_config` converts losslessly. Where vLLM asserts, this
+module raises a `ConfigError` that says what was wrong, the value, and what
+would be right.
 
 Duck typing
 -----------
@@ -21,12 +25,17 @@ Any objects with the attributes below work; a missing required attribute is a
     Optional, with vLLM's meaning when absent: ``kv_events_config`` (None: no
     events), ``use_v2_model_runner`` (False),
     ``parallel_config.prefill_context_parallel_size`` (1),
-    ``cache_config.hash_block_size`` (None: the GCD of the group block sizes).
+    ``parallel_config.data_parallel_size`` (0: unknown),
+    ``parallel_config.data_parallel_rank_local`` (None),
+    ``cache_config.prefix_match_unit`` (None: the GCD of the prefix-cacheable
+    group block sizes), ``cache_config.kv_cache_layout`` (None).
 ``kv_cache_config``
     ``num_blocks``, ``kv_cache_tensors[i].size`` (and ``block_stride``, 0 when
     absent: vLLM releases before packed layouts have none),
     ``kv_cache_groups[i].{layer_names, kv_cache_spec}``, and
-    ``kv_cache_spec.block_size``.
+    ``kv_cache_spec.block_size``; optional: ``kv_cache_spec.prefix_cacheable``
+    (True) and, for a Mamba spec, ``mamba_cache_mode`` (else
+    ``cache_config.mamba_cache_mode``, else vLLM's default ``"none"``).
 
 KV-cache spec kinds are recognised by the class names in the spec's MRO, as
 vLLM names them, so a subclass of a vLLM spec is that kind:
@@ -58,7 +67,7 @@ from tiering.config import (
 )
 from tiering.errors import ConfigError
 
-__all__ = ["build_offloading_config", "is_kv_cache_tensor_packed"]
+__all__ = ["build_offloading_config", "from_vllm_offloading_config", "is_kv_cache_tensor_packed"]
 
 _ABSENT: Any = object()
 
@@ -78,8 +87,7 @@ def _get(obj: object, path: str, name: str, default: Any = _ABSENT) -> Any:
     value = getattr(obj, name, default)
     if value is _ABSENT:
         raise ConfigError(
-            f"{path}.{name} is missing; build_offloading_config reads it "
-            f"(the object is a {type(obj).__name__})"
+            f"{path}.{name} is missing; tiering reads it (the object is a {type(obj).__name__})"
         )
     return value
 
@@ -107,14 +115,19 @@ def _class_names(spec: object) -> frozenset[str]:
     return frozenset(cls.__name__ for cls in type(spec).__mro__)
 
 
-def _layer_kind_spec(spec: object, path: str) -> object:
-    """The spec that says what kind of layers a group holds (unwraps uniform-type specs)."""
+def _layer_specs(spec: object, path: str) -> list[object]:
+    """The per-layer specs of a group's spec (every value of a uniform-type spec)."""
     if _UNIFORM_SPECS not in _class_names(spec):
-        return spec
+        return [spec]
     inner = _get(spec, path, "kv_cache_specs")
     if not isinstance(inner, Mapping) or not inner:
         raise ConfigError(f"{path}.kv_cache_specs must be a non-empty mapping, got {inner!r}")
-    return next(iter(inner.values()))
+    return list(inner.values())
+
+
+def _layer_kind_spec(spec: object, path: str) -> object:
+    """The spec that says what kind of layers a group holds (unwraps uniform-type specs)."""
+    return _layer_specs(spec, path)[0]
 
 
 def is_kv_cache_tensor_packed(kv_cache_tensor: object) -> bool:
@@ -134,11 +147,16 @@ def is_kv_cache_tensor_packed(kv_cache_tensor: object) -> bool:
 
 
 def _tokens_per_hash(
-    vllm_config: object, block_sizes: Sequence[int], block_kinds: Sequence[frozenset[str]]
+    vllm_config: object, block_sizes: Sequence[int], specs: Sequence[object]
 ) -> int:
-    """The prefix-hash block size, as vLLM's ``resolve_kv_cache_block_sizes`` resolves it.
+    """The prefix-hash block size, as vLLM 0.33's ``resolve_kv_cache_block_sizes`` resolves it.
 
-    An offloading connector is always configured here, so block hashing is active.
+    An offloading connector is always configured here, so block hashing is
+    active. One group: its block size (x DCP x PCP, the seed's tokens per
+    block); a ``prefix_match_unit`` other than that is refused, as in vLLM.
+    Several groups: the whole scheduler block (the LCM) when a Mamba group is
+    not in ``"align"`` mode, else ``prefix_match_unit`` when set, else the GCD
+    of the prefix-cacheable groups' block sizes (of all, where none is).
     """
     cache_config = _get(vllm_config, "vllm_config", "cache_config")
     cache_path = "vllm_config.cache_config"
@@ -147,31 +165,47 @@ def _tokens_per_hash(
     dcp = _get_int(parallel_config, parallel_path, "decode_context_parallel_size", 1)
     pcp = _get_int(parallel_config, parallel_path, "prefill_context_parallel_size", 1, 1)
     cache_block_size = _get_int(cache_config, cache_path, "block_size", 1)
+    requested = _get(cache_config, cache_path, "prefix_match_unit", None)
+    unit = None if requested is None else _as_int(requested, f"{cache_path}.prefix_match_unit", 1)
     if len(block_sizes) <= 1:
-        return cache_block_size * dcp * pcp
+        size = cache_block_size * dcp * pcp
+        if block_sizes and unit is not None and unit != size:
+            raise ConfigError(
+                f"{cache_path}.prefix_match_unit={unit}, but with a single KV-cache group "
+                f"prefix-cache hits land on its block of {size} tokens; unset it or set it "
+                f"to {size}"
+            )
+        return size
     if dcp != 1 or pcp != 1:
         raise ConfigError(
             f"the model has {len(block_sizes)} KV-cache groups (a hybrid model) and runs with "
             f"decode_context_parallel_size={dcp}, prefill_context_parallel_size={pcp}; "
             "hybrid KV-cache groups do not support context parallelism: set both to 1"
         )
-    if any(
-        _MAMBA_SPEC in kinds and size != cache_block_size
-        for size, kinds in zip(block_sizes, block_kinds, strict=True)
-    ):
-        # Mamba groups outside "align" mode break divisibility: hash whole scheduler blocks.
-        return math.lcm(*block_sizes)
-    requested = _get(cache_config, cache_path, "hash_block_size", None)
-    if requested is None:
-        return math.gcd(*block_sizes)
-    hash_block_size = _as_int(requested, f"{cache_path}.hash_block_size", 1)
-    if any(size % hash_block_size for size in block_sizes):
+    default_mode = _get(cache_config, cache_path, "mamba_cache_mode", "none")
+    for index, spec in enumerate(specs):
+        path = f"kv_cache_config.kv_cache_groups[{index}].kv_cache_spec"
+        for layer_spec in _layer_specs(spec, path):
+            if _MAMBA_SPEC not in _class_names(layer_spec):
+                continue
+            if getattr(layer_spec, "mamba_cache_mode", default_mode) != "align":
+                # Mamba groups outside "align" mode break divisibility: hash whole
+                # scheduler blocks.
+                return math.lcm(*block_sizes)
+    hashing = [
+        size
+        for size, spec in zip(block_sizes, specs, strict=True)
+        if getattr(spec, "prefix_cacheable", True)
+    ] or list(block_sizes)
+    if unit is None:
+        return math.gcd(*hashing)
+    if any(size % unit for size in hashing):
         raise ConfigError(
-            f"{cache_path}.hash_block_size={hash_block_size} does not divide every KV-cache "
-            f"group block size {list(block_sizes)}; use a common divisor, e.g. their GCD "
-            f"{math.gcd(*block_sizes)}, or leave it unset"
+            f"{cache_path}.prefix_match_unit={unit} does not divide every prefix-cacheable "
+            f"KV-cache group block size {hashing}; use a common divisor, e.g. their GCD "
+            f"{math.gcd(*hashing)}, or leave it unset"
         )
-    return hash_block_size
+    return unit
 
 
 def _extra_int(extra: Mapping[str, Any], key: str) -> int | None:
@@ -333,7 +367,19 @@ def build_offloading_config(vllm_config: object, kv_cache_config: object) -> Off
     - ``worker_kv_bytes_per_block`` is the first tensor's size when the KV
       tensors are packed (all must be), else the sum of their sizes, divided
       by ``num_blocks``; 0 when ``num_blocks`` is 0 (the scheduler side);
-    - ``parallel.is_parallelism_agnostic`` as `_is_parallelism_agnostic` says.
+    - ``parallel.is_parallelism_agnostic`` as `_is_parallelism_agnostic` says
+      (vLLM 0.33 widens it under ``canonical_layout``; the seed does not);
+    - each group's ``group_id`` is its index in ``kv_cache_groups`` (the seed
+      offloads every group);
+    - ``parallel.data_parallel_size`` and ``data_parallel_rank_local`` are
+      ``parallel_config``'s (0 and None where it has none), ``kv_cache_layout``
+      is ``cache_config.kv_cache_layout`` (None where unset);
+    - ``canonical_layout`` is ``kv_connector_extra_config['canonical_layout']``,
+      which must be a bool (False when absent);
+    - ``replicated_layout`` is always False: vLLM's rule reads what the seed's
+      inputs do not carry (``model_config.use_mla``,
+      ``kv_cache_config.kv_tp_replicas``, the executor backend, the nodes per DP
+      rank), so the seed never claims one host copy serves every worker.
 
     Every problem, including a missing attribute, is a `ConfigError`.
     """
@@ -387,14 +433,7 @@ def build_offloading_config(vllm_config: object, kv_cache_config: object) -> Off
         layer_names.append(names)
 
     tokens_per_block = [size * dcp * pcp for size in block_sizes]
-    tokens_per_hash = _tokens_per_hash(
-        vllm_config,
-        block_sizes,
-        [
-            _class_names(_layer_kind_spec(spec, f"{groups_path}[{i}].kv_cache_spec"))
-            for i, spec in enumerate(specs)
-        ],
-    )
+    tokens_per_hash = _tokens_per_hash(vllm_config, block_sizes, specs)
     for index, tokens in enumerate(tokens_per_block):
         if tokens % tokens_per_hash:
             raise ConfigError(
@@ -413,6 +452,7 @@ def build_offloading_config(vllm_config: object, kv_cache_config: object) -> Off
             sliding_window_size_in_chunks=_window_in_chunks(
                 spec, f"{groups_path}[{index}].kv_cache_spec", tokens * blocks_per_chunk
             ),
+            group_id=index,
         )
         for index, (spec, tokens, names) in enumerate(
             zip(specs, tokens_per_block, layer_names, strict=True)
@@ -423,6 +463,21 @@ def build_offloading_config(vllm_config: object, kv_cache_config: object) -> Off
     enable_events = events_config is not None and bool(
         _get(events_config, "vllm_config.kv_events_config", "enable_kv_cache_events")
     )
+    canonical_layout = extra.get("canonical_layout", False)
+    if not isinstance(canonical_layout, bool):
+        raise ConfigError(
+            f"{transfer_path}.kv_connector_extra_config['canonical_layout'] must be true or "
+            f"false, got {canonical_layout!r} of type {type(canonical_layout).__name__} "
+            "(vLLM would take any value by its truth, the string 'false' as true)"
+        )
+    cache_config = _get(vllm_config, "vllm_config", "cache_config")
+    kv_cache_layout = _get(cache_config, "vllm_config.cache_config", "kv_cache_layout", None)
+    if kv_cache_layout is not None and not (isinstance(kv_cache_layout, str) and kv_cache_layout):
+        raise ConfigError(
+            "vllm_config.cache_config.kv_cache_layout must be the name of a KVCacheLayout "
+            f"(e.g. 'LBNHC') or None, got {kv_cache_layout!r}"
+        )
+    dp_rank_local = _get(parallel_config, parallel_path, "data_parallel_rank_local", None)
     model_config = _get(vllm_config, "vllm_config", "model_config")
     model_path = "vllm_config.model_config"
     model_name = _get(model_config, model_path, "model")
@@ -451,5 +506,125 @@ def build_offloading_config(vllm_config: object, kv_cache_config: object) -> Off
             dcp_size=dcp,
             data_parallel_index=_get_int(parallel_config, parallel_path, "data_parallel_index", 0),
             is_parallelism_agnostic=_is_parallelism_agnostic(vllm_config, specs, dcp, pcp, tp),
+            data_parallel_size=_get_int(parallel_config, parallel_path, "data_parallel_size", 0, 0),
+            data_parallel_rank_local=(
+                None
+                if dp_rank_local is None
+                else _as_int(dp_rank_local, f"{parallel_path}.data_parallel_rank_local", 0)
+            ),
         ),
+        replicated_layout=False,
+        canonical_layout=canonical_layout,
+        kv_cache_layout=kv_cache_layout,
     )
+
+
+# --- vLLM's own config, converted ------------------------------------------------------
+
+
+def _vllm_int(obj: object, path: str, name: str, default: Any = _ABSENT) -> Any:
+    """``obj.name`` as an int where it is one (numpy integers too); else as it came.
+
+    The records check the value; this only names a missing field by its path.
+    """
+    value = _get(obj, path, name, default)
+    if isinstance(value, bool) or value is None:
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:
+        return value
+
+
+def from_vllm_offloading_config(config: object) -> OffloadingConfig:
+    """tiering's `OffloadingConfig` for vLLM's own (``vllm.v1.kv_offload.config``), duck-typed.
+
+    Lossless: every field of vLLM 0.33's dataclasses has a field of the same
+    name and value here (groups in order with ``group_id``,
+    ``tokens_per_block``, ``layer_names``, ``sliding_window_size_in_chunks``;
+    ``worker_kv_bytes_per_block``, 0 on the scheduler side;
+    ``enable_kv_cache_events``; ``extra_config``, copied into a dict;
+    ``engine_id``; ``model``, ``cache`` and every ``parallel`` field;
+    ``replicated_layout``, ``canonical_layout``, ``kv_cache_layout``). The
+    fields vLLM gives defaults (``sliding_window_size_in_chunks``,
+    ``max_model_len`` and the three layout fields) may be absent, with vLLM's
+    defaults; any other missing one is a `ConfigError` naming its path
+    (``config.parallel.data_parallel_size``).
+
+    tiering checks what vLLM only carries. A value tiering refuses is a
+    `ConfigError` that names the field and says it came from vLLM: notably an
+    ``extra_config`` value of one of tiering's own keys that is not a positive
+    integer (vLLM truncates ``blocks_per_chunk`` 2.7 to 2; tiering asks for 2),
+    a key that looks like a misspelling of one of them, or a cache dtype that
+    neither torch nor vLLM 0.33 names (a platform's own registered dtype).
+    """
+    path = "config"
+    groups: list[OffloadingGroupConfig] = []
+    for index, group in enumerate(_iterable(_get(config, path, "groups"), path, "groups")):
+        where = f"{path}.groups[{index}]"
+        fields = {
+            "tokens_per_block": _vllm_int(group, where, "tokens_per_block"),
+            "layer_names": tuple(
+                _iterable(_get(group, where, "layer_names"), where, "layer_names")
+            ),
+            "sliding_window_size_in_chunks": _vllm_int(
+                group, where, "sliding_window_size_in_chunks", None
+            ),
+            "group_id": _vllm_int(group, where, "group_id"),
+        }
+        try:
+            groups.append(OffloadingGroupConfig(**fields))
+        except ConfigError as exc:
+            raise ConfigError(f"vLLM's {where} cannot be taken: {exc}") from exc
+    extra = _get(config, path, "extra_config")
+    if not isinstance(extra, Mapping):
+        raise ConfigError(f"vLLM's {path}.extra_config must be a mapping, got {extra!r}")
+    model, model_path = _get(config, path, "model"), f"{path}.model"
+    cache, cache_path = _get(config, path, "cache"), f"{path}.cache"
+    parallel, parallel_path = _get(config, path, "parallel"), f"{path}.parallel"
+    model_fields = {
+        "name": _get(model, model_path, "name"),
+        "dtype": _get(model, model_path, "dtype"),
+        "max_model_len": _vllm_int(model, model_path, "max_model_len", 0),
+    }
+    cache_fields = {
+        "tokens_per_hash": _vllm_int(cache, cache_path, "tokens_per_hash"),
+        "blocks_per_chunk": _vllm_int(cache, cache_path, "blocks_per_chunk"),
+    }
+    parallel_fields = {
+        name: _vllm_int(parallel, parallel_path, name) for name in _VLLM_PARALLEL_FIELDS
+    }
+    top = {
+        "worker_kv_bytes_per_block": _vllm_int(config, path, "worker_kv_bytes_per_block"),
+        "enable_kv_cache_events": _get(config, path, "enable_kv_cache_events"),
+        "engine_id": _get(config, path, "engine_id"),
+        "replicated_layout": _get(config, path, "replicated_layout", False),
+        "canonical_layout": _get(config, path, "canonical_layout", False),
+        "kv_cache_layout": _get(config, path, "kv_cache_layout", None),
+    }
+    try:
+        return OffloadingConfig(
+            groups=tuple(groups),
+            extra_config=dict(extra),
+            model=OffloadingModelConfig(**model_fields),
+            cache=OffloadingCacheConfig(**cache_fields),
+            parallel=OffloadingParallelConfig(**parallel_fields),
+            **top,
+        )
+    except ConfigError as exc:
+        raise ConfigError(f"vLLM's OffloadingConfig cannot be taken: {exc}") from exc
+
+
+#: The fields of vLLM 0.33's ``OffloadingParallelConfig``, every one required.
+_VLLM_PARALLEL_FIELDS = (
+    "rank",
+    "world_size",
+    "tp_size",
+    "pp_size",
+    "pcp_size",
+    "dcp_size",
+    "data_parallel_index",
+    "data_parallel_size",
+    "data_parallel_rank_local",
+    "is_parallelism_agnostic",
+)
