@@ -486,6 +486,7 @@ def test_metrics_and_config_info_are_what_vllms_spec_declares(make_tier, server)
     for name, values in stats_data(tier).items():
         assert name in definitions
         assert all(len(labels) == len(definitions[name].labelnames) for labels in values)
+    assert tier.get_stats() is None  # each payload is what changed since the last one
     keys = TieringOffloadingSpec.config_info_keys(extra)
     info = tier.config_info()
     assert set(info) <= set(keys)

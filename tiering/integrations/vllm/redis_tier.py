@@ -233,6 +233,7 @@ class RedisSecondaryTier(SecondaryTierManager):
         self._reported: SecondaryStatistics = self._latest
         self._reported_dropped: dict[str, int] = {}
         self._reported_deferred = 0
+        self._reported_up: int | None = None
         self._stack = contextlib.ExitStack()
         self._portal = self._stack.enter_context(anyio.from_thread.start_blocking_portal())
         self._state = ResourceState.OPEN
@@ -507,7 +508,7 @@ class RedisSecondaryTier(SecondaryTierManager):
         }
 
     def get_stats(self) -> OffloadingConnectorStats | None:
-        """What changed since the last call, as vLLM's offloading stats."""
+        """What changed since the last call, as vLLM's offloading stats (``None``: nothing)."""
         now, before = self._latest, self._reported
         stats = OffloadingConnectorStats()
         for name, field in (
@@ -535,11 +536,14 @@ class RedisSecondaryTier(SecondaryTierManager):
         deferred = self._counts["lookups_deferred"]
         if deferred - self._reported_deferred:
             stats.increase_counter(METRIC_LOOKUPS_DEFERRED, deferred - self._reported_deferred)
-        stats.set_gauge(METRIC_UP, 1 if now.state == "up" else 0)
+        up = 1 if now.state == "up" else 0
+        if up != self._reported_up:  # a gauge keeps its value: sent when it changes
+            stats.set_gauge(METRIC_UP, up)
+            self._reported_up = up
         self._reported = now
         self._reported_dropped = dict(self._dropped)
         self._reported_deferred = deferred
-        return stats
+        return None if stats.is_empty() else stats
 
     @classmethod
     def config_info_keys(cls, tier_config: dict[str, Any]) -> tuple[str, ...]:
