@@ -14,6 +14,7 @@ computed, and feeds vLLM's ``update_from_output``.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import os
@@ -138,6 +139,107 @@ def build_kv_cache_config(
     return config
 
 
+def block_pattern(block_hash: bytes, layer: int, page_bytes: int) -> torch.Tensor:
+    """The bytes the fake model writes in every page of a full block: its hash, repeated."""
+    seed = block_hash + layer.to_bytes(2, "big")
+    reps = -(-page_bytes // len(seed))
+    return torch.frombuffer(bytearray(seed * reps), dtype=torch.uint8)[:page_bytes]
+
+
+class FakeModel:
+    """The worker side of vLLM's offloading, with real bytes and a model that writes KV.
+
+    Builds vLLM's own ``OffloadingConnector`` in the WORKER role and registers
+    CPU tensors laid out as vLLM's planner placed them, so the spec's worker
+    is made by vLLM's ``register_kv_caches`` and driven by vLLM's own worker
+    calls. The "model" writes `block_pattern` of a block's hash into every
+    layer's page of a block when its last token is computed, and `verify`
+    checks the pages a request starts from (loaded or prefix-cached) hold them.
+    """
+
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+            OffloadingConnector,
+        )
+
+        self.num_blocks = kv_cache_config.num_blocks
+        self.block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+        self.pages: dict[str, torch.Tensor] = {}
+        self._buffers = []
+        for placement in kv_cache_config.kv_cache_tensors:
+            buffer = torch.zeros(placement.size, dtype=torch.uint8)
+            self._buffers.append(buffer)
+            for index, layer in enumerate(placement.layers):
+                start = placement.offset + index * placement.layer_stride
+                page = placement.block_stride
+                view = buffer[start : start + page * self.num_blocks].view(self.num_blocks, page)
+                self.pages[layer] = view
+        self.connector = OffloadingConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
+        # vLLM's runner registers the caches as the attention layers see them.
+        self.connector.register_kv_caches(
+            {name: page.view(torch.float16) for name, page in self.pages.items()}
+        )
+        self.verified_blocks = 0
+
+    @property
+    def worker(self) -> OffloadingWorker:
+        return self.connector.connector_worker.worker
+
+    def wipe(self) -> None:
+        """Forget every GPU page (as a GPU whose prefix cache was reset and reused)."""
+        for buffer in self._buffers:
+            buffer.fill_(0)
+
+    def forward(self, scheduler: Scheduler, output: Any) -> None:
+        """Write the pages of the blocks this step's tokens complete."""
+        for req_id, count in output.num_scheduled_tokens.items():
+            request = scheduler.requests[req_id]
+            after = request.num_computed_tokens
+            before = after - count
+            (block_ids,) = scheduler.kv_cache_manager.get_block_ids(req_id)
+            for j in range(before // self.block_size, after // self.block_size):
+                if j < len(request.block_hashes):
+                    self._write(block_ids[j], bytes(request.block_hashes[j]))
+
+    def verify(self, scheduler: Scheduler, output: Any) -> None:
+        """Every full block a scheduled request starts from holds its block's pattern."""
+        for req_id, count in output.num_scheduled_tokens.items():
+            request = scheduler.requests[req_id]
+            before = request.num_computed_tokens - count
+            (block_ids,) = scheduler.kv_cache_manager.get_block_ids(req_id)
+            for j in range(before // self.block_size):
+                expected = bytes(request.block_hashes[j])
+                for layer, (name, page) in enumerate(self.pages.items()):
+                    want = block_pattern(expected, layer, page.shape[1])
+                    if not torch.equal(page[block_ids[j]], want):
+                        raise AssertionError(
+                            f"request {req_id}: block {j} (GPU block {block_ids[j]}) of layer "
+                            f"{name} does not hold its KV: corrupt or not loaded"
+                        )
+                    self.verified_blocks += 1
+
+    def _write(self, block_id: int, block_hash: bytes) -> None:
+        for layer, page in enumerate(self.pages.values()):
+            page[block_id] = block_pattern(block_hash, layer, page.shape[1])
+
+    def run(self, metadata: Any) -> KVConnectorOutput | None:
+        """One step of vLLM's worker-side connector calls, in the runner's order."""
+        connector = self.connector
+        connector.bind_connector_metadata(metadata)
+        connector.handle_preemptions(metadata)
+        connector.start_load_kv(None)
+        connector.wait_for_save()
+        _, finished_recving = connector.get_finished(set())
+        meta = connector.build_connector_worker_meta()
+        connector.clear_connector_metadata()
+        if not finished_recving and meta is None:
+            return None
+        return KVConnectorOutput(
+            finished_recving=finished_recving or None, kv_connector_worker_meta=meta
+        )
+
+
 @dataclass
 class Engine:
     """vLLM's scheduler driven step by step, as ``EngineCore.step`` drives it."""
@@ -148,6 +250,8 @@ class Engine:
     block_hasher: Any
     #: Moves the bytes of the jobs when given (vLLM's worker calls, in its order).
     worker: OffloadingWorker | None = None
+    #: vLLM's worker-side connector with real KV pages (`attach_model`).
+    model: FakeModel | None = None
     steps: int = 0
     #: Prompt tokens the connector served, and those it was asked for (what the GPU
     #: prefix cache did not have), from vLLM's own connector prefix-cache stats.
@@ -192,10 +296,20 @@ class Engine:
         self.scheduler.add_request(request)
         return request
 
+    def attach_model(self) -> FakeModel:
+        """Move real bytes from now on: vLLM's worker connector over CPU KV pages."""
+        self.model = FakeModel(self.vllm_config, copy.deepcopy(self.kv_cache_config))
+        return self.model
+
     def step(self) -> Any:
         """One engine step: schedule, "run the model", update. Returns the SchedulerOutput."""
         output = self.scheduler.schedule()
-        connector_output = self._run_worker(output.kv_connector_metadata)
+        if self.model is not None:
+            connector_output = self.model.run(output.kv_connector_metadata)
+            self.model.verify(self.scheduler, output)
+            self.model.forward(self.scheduler, output)
+        else:
+            connector_output = self._run_worker(output.kv_connector_metadata)
         req_ids = list(output.num_scheduled_tokens)
         sampled = []
         for req_id in req_ids:

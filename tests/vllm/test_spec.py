@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 pytest.importorskip("vllm")
 
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
-from tiering.errors import ConfigError
-from tiering.integrations.vllm import TieringOffloadingManager, TieringSpec
+from tiering.errors import ConfigError, ResourceClosedError
+from tiering.integrations.vllm import (
+    TieringOffloadingManager,
+    TieringOffloadingWorker,
+    TieringSpec,
+)
 
 from .harness import build_engine, native_extra, tiering_extra, write_model
 
@@ -68,3 +74,107 @@ def test_a_bad_extra_config_value_is_one_clear_config_error(model, extra, messag
         del config["cpu_bytes_to_use"]
     with pytest.raises(ConfigError, match=message):
         build_engine(model, config)
+
+
+def test_the_worker_moves_real_bytes_through_vllms_own_worker_connector(model):
+    engine = build_engine(model, tiering_extra(64 << 20))
+    fake = engine.attach_model()
+    assert isinstance(fake.worker, TieringOffloadingWorker)
+    engine.add(PROMPT)
+    engine.run()
+    assert engine.scheduler.reset_prefix_cache()
+    fake.wipe()  # the GPU lost every page: only the CPU tier holds them
+    engine.add(PROMPT)
+    engine.run()
+    assert engine.hit_tokens == 256
+    # 15 full blocks a request starts from (the 16th is recomputed), both layers.
+    assert fake.verified_blocks == 30
+    assert fake.worker.backend.statistics().failed == 0
+
+
+def test_the_byte_check_catches_a_corrupted_cpu_tier(model):
+    engine = build_engine(model, tiering_extra(64 << 20))
+    fake = engine.attach_model()
+    engine.add(PROMPT)
+    engine.run()
+    fake.worker.pool.tensor.fill_(0x5A)  # every stored byte is now wrong
+    assert engine.scheduler.reset_prefix_cache()
+    fake.wipe()
+    engine.add(PROMPT)
+    with pytest.raises(AssertionError, match="does not hold its KV"):
+        engine.run()
+
+
+def test_events_leave_through_vllms_publisher_and_decode(model, tmp_path):
+    import msgspec
+    import zmq
+    from vllm.config import KVEventsConfig
+    from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVEventBatch
+
+    # vLLM's publisher binds a wildcard or ipc endpoint (it connects to a host
+    # address); an ipc socket keeps the test off the network.
+    endpoint = f"ipc://{tmp_path}/kv-events"
+    events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint)
+    context = zmq.Context()
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.RCVTIMEO, 5000)
+    try:
+        engine = build_engine(model, tiering_extra(64 << 20), kv_events=events_config)
+        sub.connect(endpoint)
+        time.sleep(0.3)  # the subscription reaches the publisher
+        engine.add(PROMPT)
+        engine.run()
+        decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        stored: list[BlockStored] = []
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and len(stored) < 16:
+            frames = sub.recv_multipart()
+            batch = decoder.decode(frames[-1])
+            stored += [
+                e for e in batch.events if isinstance(e, BlockStored) and e.medium == MEDIUM_CPU
+            ]
+        # As vLLM describes a CPU-tier store: one event per key, no token ids.
+        assert len(stored) == 16
+        assert all(e.block_size == 0 and e.token_ids == [] for e in stored)
+        # A reset removes what the CPU tier held, with medium CPU.
+        assert engine.scheduler.reset_prefix_cache(reset_connector=True)
+        engine.add(list(range(5000, 5032)))  # events leave with the next step's output
+        engine.run()
+        removed: list[BlockRemoved] = []
+        while sum(len(e.block_hashes) for e in removed) < 16:
+            batch = decoder.decode(sub.recv_multipart()[-1])
+            # (vLLM's own AllBlocksCleared of the GPU prefix cache comes first.)
+            removed += [e for e in batch.events if isinstance(e, BlockRemoved)]
+        assert {e.medium for e in removed} == {MEDIUM_CPU}
+        hashes = sorted(h for e in stored for h in e.block_hashes)
+        assert sorted(h for e in removed for h in e.block_hashes) == hashes
+        engine.scheduler.shutdown()
+    finally:
+        sub.close(linger=0)
+        context.term()
+
+
+def test_a_reset_empties_the_tier_and_shutdown_stops_the_worker(model):
+    engine = build_engine(model, tiering_extra(64 << 20))
+    fake = engine.attach_model()
+    engine.add(PROMPT)
+    engine.run()
+    assert engine.manager.tier.statistics().used == 16
+    assert engine.scheduler.reset_prefix_cache(reset_connector=True)
+    assert engine.manager.tier.statistics().used == 0
+    engine.add(PROMPT)
+    engine.run()
+    assert engine.hit_tokens == 0  # nothing left to load
+    engine.scheduler.shutdown()
+    fake.connector.shutdown()
+    assert fake.worker.backend.statistics().in_flight == 0
+    with pytest.raises(ResourceClosedError):
+        fake.worker.backend.submit(0, *_store_specs())
+
+
+def _store_specs():
+    from tiering.cpu.common import CPULoadStoreSpec
+    from tiering.specs import GPULoadStoreSpec
+
+    return GPULoadStoreSpec([0]), CPULoadStoreSpec([0])
