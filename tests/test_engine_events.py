@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -10,11 +11,10 @@ import anyio
 import msgspec
 import pytest
 
-from tiering import ConfigError, OffloadingGroupConfig, make_offload_key
+from tiering import ConfigError, OffloadingConfig, OffloadingGroupConfig, make_offload_key
 from tiering.engine import TieringEngine
 from tiering.errors import EventSchemaError
 from tiering.events import (
-    AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     ChunkBlocks,
@@ -74,17 +74,8 @@ async def test_stores_evictions_and_resets_become_wire_events(anyio_backend: str
     async with engine:
         subscription = engine.subscribe()
         assert await store(engine, [1, 2], [0, 1]) is JobOutcome.SUCCEEDED
-        (stored,) = await next_events(subscription)
-        assert stored == BlockStored(
-            block_hashes=[wire_hash(1), wire_hash(2)],
-            parent_block_hash=None,
-            token_ids=[],
-            block_size=TOKENS_PER_CHUNK,
-            lora_id=None,
-            medium="CPU",
-            lora_name=None,
-            group_idx=0,
-        )
+        # vLLM's description of offloaded chunks: one event each, block_size 0, no tokens.
+        assert await next_events(subscription) == [plain(1), plain(2)]
         # A failed store announces nothing; its slot comes back.
         backend = mock(engine)
         backend.close_gate()
@@ -102,16 +93,85 @@ async def test_stores_evictions_and_resets_become_wire_events(anyio_backend: str
         assert isinstance(stored_4, BlockStored)
         assert stored_4.block_hashes == [wire_hash(4)]
         engine.reset()
-        assert await next_events(subscription) == [AllBlocksCleared()]
+        # What the CPU tier held leaves the CPU tier; no AllBlocksCleared (it has no medium,
+        # and a router would drop the GPU's blocks with it).
+        assert await next_events(subscription) == [
+            BlockRemoved(block_hashes=[wire_hash(1), wire_hash(4)], medium="CPU", group_idx=0)
+        ]
         stats = engine.statistics().events
         assert stats is not None
-        assert (stats.batches_total, stats.events_total) == (4, 4)
+        assert (stats.batches_total, stats.events_total) == (4, 5)
         assert stats.sinks[0].name == "subscribers"
         assert stats.sinks[0].dropped_total == 0
 
 
-async def test_callers_can_describe_the_blocks_of_each_chunk(anyio_backend: str) -> None:
+def plain(i: int) -> BlockStored:
+    """Chunk ``i`` stored, as vLLM's offloading connector describes one by default."""
+    return BlockStored(
+        block_hashes=[wire_hash(i)],
+        parent_block_hash=None,
+        token_ids=[],
+        block_size=0,
+        lora_id=None,
+        medium="CPU",
+        lora_name=None,
+        group_idx=0,
+    )
+
+
+SELF_DESCRIBING = {"self_describing_kv_events": True}
+
+
+async def test_self_describing_stores_and_a_reset_after_them(anyio_backend: str) -> None:
+    engine = TieringEngine(
+        events_config(**SELF_DESCRIBING), kv_caches(), cpu_bytes=4 * CHUNK_BYTES, backend="mock"
+    )
+    async with engine:
+        subscription = engine.subscribe()
+        assert await store(engine, [1, 2], [0, 1]) is JobOutcome.SUCCEEDED
+        assert await store(engine, [3], [2]) is JobOutcome.SUCCEEDED
+        stores = await next_events(subscription) + await next_events(subscription)
+        assert stores == [
+            BlockStored(
+                block_hashes=hashes,
+                parent_block_hash=None,
+                token_ids=[],
+                block_size=TOKENS_PER_CHUNK,
+                lora_id=None,
+                medium="CPU",
+                lora_name=None,
+                group_idx=0,
+            )
+            for hashes in ([wire_hash(1), wire_hash(2)], [wire_hash(3)])
+        ]
+        engine.reset()
+        (removed,) = await next_events(subscription)
+        assert removed == BlockRemoved(
+            block_hashes=[wire_hash(1), wire_hash(2), wire_hash(3)], medium="CPU", group_idx=0
+        )
+        engine.reset()  # an empty tier: nothing to say
+        assert await store(engine, [5], [0]) is JobOutcome.SUCCEEDED
+        assert [type(e) for e in await next_events(subscription)] == [BlockStored]
+
+
+async def test_descriptions_are_ignored_unless_self_describing(anyio_backend: str) -> None:
     engine = TieringEngine(events_config(), kv_caches(), cpu_bytes=4 * CHUNK_BYTES, backend="mock")
+    async with engine:
+        subscription = engine.subscribe()
+        blocks = [ChunkBlocks(block_hashes=[101], block_size=16, token_ids=list(range(16)))]
+        handle = await engine.submit_store([key(1)], GPULoadStoreSpec([0]), blocks=blocks)
+        assert (await handle).success
+        assert await next_events(subscription) == [plain(1)]
+        assert engine._events is not None
+        assert engine._events.described_jobs == 0
+        with pytest.raises(ConfigError, match="one ChunkBlocks"):  # still checked
+            await engine.submit_store([key(3)], GPULoadStoreSpec([2]), blocks=[])
+
+
+async def test_callers_can_describe_the_blocks_of_each_chunk(anyio_backend: str) -> None:
+    engine = TieringEngine(
+        events_config(**SELF_DESCRIBING), kv_caches(), cpu_bytes=4 * CHUNK_BYTES, backend="mock"
+    )
     async with engine:
         subscription = engine.subscribe()
         tokens = list(range(32))
@@ -144,7 +204,9 @@ async def test_callers_can_describe_the_blocks_of_each_chunk(anyio_backend: str)
 
 async def test_a_description_goes_with_its_own_store(anyio_backend: str) -> None:
     """A described store that fails leaves nothing behind for a later store of the key."""
-    engine = TieringEngine(events_config(), kv_caches(), cpu_bytes=4 * CHUNK_BYTES, backend="mock")
+    engine = TieringEngine(
+        events_config(**SELF_DESCRIBING), kv_caches(), cpu_bytes=4 * CHUNK_BYTES, backend="mock"
+    )
     async with engine:
         subscription = engine.subscribe()
         backend = mock(engine)
@@ -168,7 +230,7 @@ async def test_a_description_goes_with_its_own_store(anyio_backend: str) -> None
 
 async def test_each_group_announces_its_own_block_size(anyio_backend: str) -> None:
     cfg = msgspec.structs.replace(
-        events_config(),
+        events_config(**SELF_DESCRIBING),
         groups=(
             OffloadingGroupConfig(tokens_per_block=16, layer_names=("k",)),
             OffloadingGroupConfig(tokens_per_block=64, layer_names=("v",)),
@@ -266,7 +328,9 @@ def test_importing_the_engine_does_not_import_pyzmq() -> None:
 async def test_restoring_present_keys_leaves_no_job_behind(anyio_backend: str) -> None:
     """A store whose keys are all present holds nothing: no job in the manager, no
     description in the event emitter (a leak of one entry per such store, once)."""
-    engine = TieringEngine(events_config(), kv_caches(), cpu_bytes=4 * CHUNK_BYTES, backend="mock")
+    engine = TieringEngine(
+        events_config(**SELF_DESCRIBING), kv_caches(), cpu_bytes=4 * CHUNK_BYTES, backend="mock"
+    )
     async with engine:
         assert await store(engine, [1, 2], [0, 1]) is JobOutcome.SUCCEEDED
         blocks = [ChunkBlocks(block_hashes=[i], block_size=16) for i in (1, 2)]
@@ -280,3 +344,45 @@ async def test_restoring_present_keys_leaves_no_job_behind(anyio_backend: str) -
         assert engine.manager._store_jobs == {}
         stats = engine.statistics().manager
         assert (stats.open_store_jobs, stats.open_load_jobs, stats.writing) == (0, 0, 0)
+
+
+async def test_the_config_data_parallel_index_moves_the_ports_and_ranks_the_batches(
+    anyio_backend: str,
+) -> None:
+    cfg = events_config()
+    assert isinstance(cfg, OffloadingConfig)
+    rank = 2
+    cfg = msgspec.structs.replace(
+        cfg,
+        parallel=msgspec.structs.replace(
+            cfg.parallel, data_parallel_index=rank, data_parallel_size=rank + 1
+        ),
+    )
+    with socket.socket() as a, socket.socket() as b:  # two free loopback ports
+        a.bind(("127.0.0.1", 0))
+        b.bind(("127.0.0.1", 0))
+        pub_port, replay_port = a.getsockname()[1], b.getsockname()[1]
+    settings = KVEventsConfig(
+        endpoint=f"tcp://127.0.0.1:{pub_port - rank}",
+        replay_endpoint=f"tcp://127.0.0.1:{replay_port - rank}",
+    )
+    engine = TieringEngine(cfg, kv_caches(), cpu_bytes=4 * CHUNK_BYTES, events=settings)
+    async with engine:
+        assert engine.event_endpoints == (
+            f"tcp://127.0.0.1:{pub_port}",
+            f"tcp://127.0.0.1:{replay_port}",
+        )
+        subscription = engine.subscribe()
+        assert await store(engine, [1], [0]) is JobOutcome.SUCCEEDED
+        with anyio.fail_after(10):
+            item = await subscription.__anext__()
+        assert isinstance(item, SequencedBatch)
+        assert item.batch.data_parallel_rank == rank
+        # A late subscriber on the moved replay port gets the same batch, ranked.
+        async with ZmqSubscriber(
+            f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}", start_seq=0
+        ) as subscriber:
+            with anyio.fail_after(10):
+                replayed = await subscriber.__anext__()
+        assert isinstance(replayed, SequencedBatch)
+        assert replayed.batch == item.batch

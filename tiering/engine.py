@@ -176,7 +176,8 @@ class TieringEngine:
     With ``config.enable_kv_cache_events``, what the tier holds is published
     as KV cache events (vLLM's wire format): one batch per turn of the event
     loop that changed the tier, to `subscribe`rs and, when ``events`` is
-    given, on its ZMQ endpoint. Without it, no event is built.
+    given, on its ZMQ endpoint (moved by ``config.parallel.data_parallel_index``,
+    as vLLM moves each data-parallel rank's). Without it, no event is built.
     """
 
     def __init__(
@@ -415,7 +416,8 @@ class TieringEngine:
 
         ``blocks`` (one per key, or None) describes each chunk's blocks for its
         `BlockStored` event: their hashes, and optionally their token ids and
-        the parent hash ("self-describing" events). Ignored without events.
+        the parent hash ("self-describing" events). Ignored unless events are on
+        and ``config.extra_config["self_describing_kv_events"]`` asks for them.
         """
         self._check_open()
         events = self._events
@@ -527,7 +529,7 @@ class TieringEngine:
         return self._events.binds if self._events is not None else None
 
     def reset(self, *, force: bool = False) -> None:
-        """Drop every chunk of the tier (publishing `AllBlocksCleared` with events).
+        """Drop every chunk of the tier (with events, a `BlockRemoved` of what it held).
 
         Refuses (`ChunkStateError`) while transfers use chunks, unless ``force``;
         even forced, while a write-through reads the tier's rows.

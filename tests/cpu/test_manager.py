@@ -199,7 +199,23 @@ def test_events_after_landing_and_on_eviction(policy: str) -> None:
     assert len(out.evicted_keys) == 1
     m.complete_store(keys(3))
     m.reset()
-    assert m.take_events() == [ChunksStored(keys=tuple(keys(3))), AllChunksCleared()]
+    (kept,) = [k for k in keys(1, 2) if k not in out.evicted_keys]
+    assert m.take_events() == [
+        ChunksStored(keys=tuple(keys(3))),
+        AllChunksCleared(keys=(kept, *keys(3))),  # what it held, for the removals
+    ]
+
+
+def test_a_reset_names_the_ready_chunks_only(policy: str) -> None:
+    """A chunk still being written was never announced: a forced reset leaves it unnamed."""
+    m = CPUOffloadingManager(4, policy, enable_events=True)
+    assert m.prepare_store(keys(1, 2)) is not None
+    m.complete_store(keys(1, 2))
+    assert m.prepare_store(keys(3)) is not None  # writing
+    m.reset(force=True)
+    assert m.take_events()[-1] == AllChunksCleared(keys=tuple(keys(1, 2)))
+    m.reset()
+    assert m.take_events() == [AllChunksCleared()]  # an empty tier held nothing
 
 
 def test_no_events_are_built_when_disabled(policy: str) -> None:

@@ -229,6 +229,8 @@ class ManagerMachine(RuleBasedStateMachine):
                 self.public -= set(event.keys)
             else:
                 assert isinstance(event, AllChunksCleared)
+                assert set(event.keys) == self.public  # a reset names what it dropped
+                assert len(event.keys) == len(set(event.keys))
                 self.public.clear()
         assert self.public == {k for k, s in self.state.items() if s == READY}
 

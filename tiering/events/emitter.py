@@ -10,7 +10,11 @@ Ordering: a chunk written to a tier below (`publish_stored_below`) is announced
 after every CPU-tier event still pending, so a subscriber never hears of a
 chunk in a lower tier before it heard of it in the CPU tier.
 
-Descriptions: what a caller said about a store's blocks (`describe`) is kept
+Descriptions: a store is described as vLLM describes an offloaded chunk (one
+hash, ``block_size=0``) unless the config's ``extra_config`` asks for
+self-describing events under vLLM's own key, ``self_describing_kv_events``
+(read as vLLM reads it: any truthy value). Only then is what a caller said
+about a store's blocks (`describe`) kept
 by store job until the job's `ChunksStored` is translated (matched by job id, so
 a key stored, evicted and stored again is described by the right store); those
 of jobs that failed or were cancelled are pruned once they outnumber the stores
@@ -34,10 +38,12 @@ from tiering.events.bus import EventBus, EventSink, EventStatistics, EventSubscr
 from tiering.events.config import KVEventsConfig
 from tiering.events.schema import ChunkBlocks, EventTranslator, KVEvent, KVEventBatch
 
-__all__ = ["KVEventEmitter"]
+__all__ = ["SELF_DESCRIBING_KEY", "KVEventEmitter"]
 
 logger = logging.getLogger(__name__)
 
+#: vLLM's ``kv_connector_extra_config`` key that asks for self-describing store events.
+SELF_DESCRIBING_KEY = "self_describing_kv_events"
 #: Landed chunks' descriptions kept for their lower tier's event, at most.
 LANDED_KEPT = 1 << 16
 
@@ -63,6 +69,7 @@ class KVEventEmitter:
         self._translator = EventTranslator(
             tokens_per_chunk=[g.tokens_per_block * bpc for g in config.groups] or 1,
             hash_format=settings.hash_format if settings is not None else "int",
+            self_describing=bool(config.extra_config.get(SELF_DESCRIBING_KEY, False)),
         )
         self._below: dict[str, EventTranslator] = {}  # by locality
         self._rank = config.parallel.data_parallel_index
@@ -137,8 +144,8 @@ class KVEventEmitter:
     ) -> None:
         """Keep what ``blocks`` says of store ``job``'s chunks for its `BlockStored` event."""
         manager = self._manager
-        if manager is None:
-            return
+        if manager is None or not self._translator.self_describing:
+            return  # vLLM's plain description says nothing of the blocks
         described = {k: info for k, info in zip(keys, blocks, strict=True) if info is not None}
         if described and manager.store_in_flight(job):
             self._described[job] = described
@@ -146,6 +153,11 @@ class KVEventEmitter:
             self._described = {
                 j: d for j, d in self._described.items() if manager.store_in_flight(j)
             }
+
+    @property
+    def self_describing(self) -> bool:
+        """Whether stores are described beyond vLLM's default (``self_describing_kv_events``)."""
+        return self._translator.self_describing
 
     @property
     def lost(self) -> int:
@@ -194,6 +206,7 @@ class KVEventEmitter:
                 self._translator.tokens_per_chunk,
                 hash_format=self._translator.hash_format,
                 locality=locality,
+                self_describing=self._translator.self_describing,
             )
         landed = self._landed
         blocks = {k: landed.pop(k) for k in keys if k in landed} if landed else None

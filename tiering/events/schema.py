@@ -12,15 +12,21 @@ Block hashes travel as vLLM sends them by default, as unsigned 64-bit ints (the
 low 8 bytes of the hash, big-endian), or as the raw hash bytes
 (`HashFormat.BYTES`).
 
-`EventTranslator` turns the manager's chunk events into wire events. Without
-per-chunk block information, a stored chunk is one block named by its key's
-hash, of ``tokens_per_chunk`` tokens, with no tokens and no parent, and the
-chunks of one manager event that share a KV-cache group go in one
-`BlockStored` (what vLLM's offloading connector sends for its CPU tier). With
-`ChunkBlocks` for a chunk, its event carries those blocks, and a chunk whose
-parent is the previous chunk's last block extends the same `BlockStored`, as a
-prefix chain does in vLLM's GPU events. Removals retract exactly the hashes
-that were announced.
+`EventTranslator` turns the manager's chunk events into wire events. By
+default a stored chunk is described as vLLM's offloading connector describes
+one: one `BlockStored` per chunk, named by its key's hash, with
+``block_size=0``, no tokens, no parent, its KV-cache group and nothing else
+(``kv_connector_extra_config["self_describing_kv_events"]`` off). Asked to be
+self-describing, the translator describes more: a chunk without `ChunkBlocks`
+is one block of ``tokens_per_chunk`` tokens, and the chunks of one manager
+event that share a KV-cache group go in one `BlockStored`; with `ChunkBlocks`
+for a chunk, its event carries those blocks, and a chunk whose parent is the
+previous chunk's last block extends the same `BlockStored`, as a prefix chain
+does in vLLM's GPU events. Removals retract exactly the hashes that were
+announced, one `BlockRemoved` per KV-cache group (as vLLM groups them). A
+reset of a tier retracts what it held with `BlockRemoved` events of its
+medium, never `AllBlocksCleared`: that event names no medium, and a router
+would drop what it knows of the GPU's blocks too.
 """
 
 from __future__ import annotations
@@ -227,8 +233,11 @@ class _Run(msgspec.Struct, gc=False):
 class EventTranslator:
     """Turns the manager's `ChunkEvent` records into wire events for ``medium`` of each event.
 
+    ``self_describing`` picks the description of a store (module docstring):
+    False, vLLM's default, one block per chunk with ``block_size=0``, and any
+    `ChunkBlocks` given are ignored; True, tiering's own richer one, where
     ``tokens_per_chunk`` is the block size announced for a chunk without
-    `ChunkBlocks`; ``locality`` (e.g. ``"REMOTE"``) is copied into every store
+    `ChunkBlocks`. ``locality`` (e.g. ``"REMOTE"``) is copied into every store
     and removal. The hashes announced from `ChunkBlocks` are remembered until
     their chunk is removed or the tier cleared, so a removal retracts exactly
     them (a removal the manager dropped leaves its entry behind until the next
@@ -241,6 +250,7 @@ class EventTranslator:
         *,
         hash_format: HashFormat | str = HashFormat.INT,
         locality: str | None = None,
+        self_describing: bool = False,
     ) -> None:
         per_group = (
             tokens_per_chunk if isinstance(tokens_per_chunk, (list, tuple)) else (tokens_per_chunk,)
@@ -258,9 +268,17 @@ class EventTranslator:
             raise ConfigError(
                 f"hash_format must be 'int' or 'bytes', got {hash_format!r}"
             ) from None
+        if not isinstance(self_describing, bool):
+            raise ConfigError(f"self_describing must be True or False, got {self_describing!r}")
         self._tokens_per_chunk: tuple[int, ...] = tuple(cast(Sequence[int], per_group))  # by group
         self._locality = locality
+        self._self_describing = self_describing
         self._announced: dict[OffloadKey, list[BlockHash]] = {}
+
+    @property
+    def self_describing(self) -> bool:
+        """Whether stores are described beyond vLLM's default (one hash, ``block_size=0``)."""
+        return self._self_describing
 
     @property
     def hash_format(self) -> HashFormat:
@@ -284,12 +302,15 @@ class EventTranslator:
         out: list[KVEvent] = []
         for event in events:
             if isinstance(event, ChunksStored):
-                self._stored(event, blocks or {}, out)
+                if self._self_describing:
+                    self._stored(event, blocks or {}, out)
+                else:
+                    self._stored_plain(event, out)
             elif isinstance(event, ChunksRemoved):
-                self._removed(event, out)
-            else:
+                self._removed(event.keys, event.medium.value, out)
+            else:  # a reset: what the tier held is gone from it, and only from it
+                self._removed(event.keys, event.medium.value, out)
                 self._announced.clear()
-                out.append(AllBlocksCleared())
         return out
 
     def batch(
@@ -309,6 +330,24 @@ class EventTranslator:
             events=wire,
             data_parallel_rank=data_parallel_rank,
         )
+
+    def _stored_plain(self, event: ChunksStored, out: list[KVEvent]) -> None:
+        """vLLM's description of an offloaded chunk: its key's hash, nothing more."""
+        medium = event.medium.value
+        for key in event.keys:
+            out.append(
+                BlockStored(
+                    block_hashes=[key_wire_hash(key, self._format)],
+                    parent_block_hash=None,
+                    token_ids=[],
+                    block_size=0,
+                    lora_id=None,
+                    medium=medium,
+                    lora_name=None,
+                    group_idx=get_offload_group_idx(key),
+                    locality=self._locality,
+                )
+            )
 
     def _stored(
         self, event: ChunksStored, blocks: Mapping[OffloadKey, ChunkBlocks], out: list[KVEvent]
@@ -366,32 +405,28 @@ class EventTranslator:
             )
         )
 
-    def _removed(self, event: ChunksRemoved, out: list[KVEvent]) -> None:
-        medium = event.medium.value
+    def _removed(self, keys: Sequence[OffloadKey], medium: str, out: list[KVEvent]) -> None:
+        """One `BlockRemoved` per KV-cache group of ``keys``, in the order the groups come."""
         announced = self._announced
-        group: int | None = None
-        hashes: list[BlockHash] = []
-        for key in event.keys:
-            key_group = get_offload_group_idx(key)
-            if key_group != group and hashes:
-                out.append(self._removal(hashes, medium, group))
-                hashes = []
-            group = key_group
+        by_group: dict[int, list[BlockHash]] = {}
+        for key in keys:
+            hashes = by_group.setdefault(get_offload_group_idx(key), [])
             held = announced.pop(key, None)
             if held is None:
                 hashes.append(key_wire_hash(key, self._format))
             else:
                 hashes.extend(held)
-        if hashes:
-            out.append(self._removal(hashes, medium, group))
+        out.extend(self._removal(hashes, medium, group) for group, hashes in by_group.items())
 
-    def _removal(self, hashes: list[BlockHash], medium: str, group: int | None) -> BlockRemoved:
+    def _removal(self, hashes: list[BlockHash], medium: str, group: int) -> BlockRemoved:
         return BlockRemoved(
             block_hashes=hashes, medium=medium, group_idx=group, locality=self._locality
         )
 
     def __repr__(self) -> str:
+        mode = "self-describing" if self._self_describing else "vLLM's plain"
         return (
-            f"<EventTranslator [{self._format.value} hashes, {self._tokens_per_chunk} tokens per "
-            f"chunk, {len(self._announced)} chunks with block info]>"
+            f"<EventTranslator [{mode} stores, {self._format.value} hashes, "
+            f"{self._tokens_per_chunk} tokens per chunk, {len(self._announced)} chunks with "
+            "block info]>"
         )
