@@ -82,8 +82,8 @@ class ChunksRemoved(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag=Tru
 
 class AllChunksCleared(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag=True):
     """The tier was reset: every chunk is gone. ``keys`` are the ready chunks it held
-    (those announced by a `ChunksStored`), in the order they landed; a chunk still
-    being written was never announced and is not among them."""
+    (those announced by a `ChunksStored`); a chunk still being written was never
+    announced and is not among them."""
 
     medium: Medium = Medium.CPU
     keys: tuple[OffloadKey, ...] = ()
