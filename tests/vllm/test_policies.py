@@ -280,8 +280,8 @@ def test_through_vllms_manager_each_policy_decides_as_in_tierings_own(name: str)
     # The trace's first requests, one after another, through vLLM's CPUOffloadingManager
     # with the adapter and through tiering's manager with the bare policy: the same
     # hits, the same chunks held after every request, the same policy state.
-    keys_of = requests_to_keys(read_trace(require_trace(), limit=400))
-    capacity = 400
+    keys_of = requests_to_keys(read_trace(require_trace(), limit=1500))
+    capacity = 300  # small: ghost hits decide, and where the adapter inserts them matters
     bare = create_policy(OURS[name].policy_name, capacity)
     ours = TieringManager(capacity, bare)
     theirs = manager(name, capacity)
