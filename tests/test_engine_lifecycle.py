@@ -144,7 +144,7 @@ async def test_closing_ends_the_scheduler_then_write_throughs_then_pool_then_eve
         stored_below,
         ("tier closed",),
         ("pool closed",),
-        ("published", ("AllBlocksCleared", None)),  # queued as the pool closed
+        ("published", ("BlockRemoved", "CPU")),  # what the tier held, as the pool closed
         ("bus closed",),
     ]
     stats = engine.statistics()
@@ -164,7 +164,7 @@ async def test_without_a_secondary_tier_the_pool_closes_before_the_last_events(
     assert from_close(log) == [
         ("scheduler closed",),
         ("pool closed",),
-        ("published", ("AllBlocksCleared", None)),
+        ("published", ("BlockRemoved", "CPU")),  # never a medium-less AllBlocksCleared
         ("bus closed",),
     ]
 

@@ -358,7 +358,12 @@ async def test_a_cancelled_owner_releases_every_pin(anyio_backend: str) -> None:
 
 
 async def test_a_described_chunk_is_announced_alike_in_both_tiers(anyio_backend: str) -> None:
-    cfg = msgspec.structs.replace(config(), enable_kv_cache_events=True)
+    base = config()
+    cfg = msgspec.structs.replace(
+        base,
+        enable_kv_cache_events=True,  # described stores need vLLM's self-describing events
+        extra_config={**base.extra_config, "self_describing_kv_events": True},
+    )
     engine, _ = engine_over(MemoryStore(), cfg=cfg)
     async with engine:
         subscription = engine.subscribe()

@@ -18,6 +18,7 @@ import copy
 import itertools
 import json
 import os
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -257,6 +258,9 @@ class Engine:
     #: prefix cache did not have), from vLLM's own connector prefix-cache stats.
     hit_tokens: int = 0
     queried_tokens: int = 0
+    #: Seconds spent in vLLM's scheduler (``schedule`` and ``update_from_output``,
+    #: which include every connector and manager call), over all steps.
+    scheduler_seconds: float = 0.0
     finished: list[str] = field(default_factory=list)
     _ids: Iterable[int] = field(default_factory=itertools.count)
     _pending: dict[int, str | None] = field(default_factory=dict)  # job -> req (loads)
@@ -303,7 +307,9 @@ class Engine:
 
     def step(self) -> Any:
         """One engine step: schedule, "run the model", update. Returns the SchedulerOutput."""
+        started = time.perf_counter()
         output = self.scheduler.schedule()
+        self.scheduler_seconds += time.perf_counter() - started
         if self.model is not None:
             connector_output = self.model.run(output.kv_connector_metadata)
             self.model.verify(self.scheduler, output)
@@ -322,7 +328,9 @@ class Engine:
             sampled_token_ids=sampled,
             kv_connector_output=connector_output,
         )
+        started = time.perf_counter()
         results = self.scheduler.update_from_output(output, runner_output)
+        self.scheduler_seconds += time.perf_counter() - started
         self._count_stats(results)
         for engine_outputs in results.values():
             for out in engine_outputs.outputs:
@@ -445,3 +453,42 @@ def tiering_extra(cpu_bytes: int, **extra: Any) -> dict[str, Any]:
         "cpu_bytes_to_use": cpu_bytes,
         **extra,
     }
+
+
+#: The Mooncake trace of the project (hash ids of 512-token blocks).
+TRACE = (
+    Path(__file__).resolve().parents[2].parent / "shared" / "traces" / "conversation_trace.jsonl"
+)
+#: Trace tokens one hash id stands for.
+TRACE_BLOCK_TOKENS = 512
+
+
+def trace_prompts(path: Path, limit: int | None = None, block_size: int = 16) -> list[list[int]]:
+    """The trace's requests as prompts of one vLLM block per hash id (a 512-token block
+    scaled down to ``block_size`` tokens: hit rates in blocks are the trace's, 32 times
+    cheaper to schedule). Equal hash-id prefixes give equal token prefixes, so vLLM's
+    block hashes share exactly the prefixes the trace shares."""
+    from tiering.workload.trace import read_trace
+
+    vocab = MODEL["vocab_size"] - 1
+
+    def block(hash_id: int) -> list[int]:  # the id in two tokens, then a filler of its own
+        high, low = divmod(hash_id, vocab)
+        filler = [1 + (hash_id * block_size + j) % vocab for j in range(block_size - 2)]
+        return [1 + low, 1 + high, *filler]
+
+    return [
+        [token for hash_id in request.hash_ids for token in block(hash_id)]
+        for request in read_trace(path, limit=limit)
+    ]
+
+
+def replay(engine: Engine, prompts: Sequence[Sequence[int]], batch: int = 1) -> Engine:
+    """The prompts in arrival order, ``batch`` at a time; the GPU prefix cache is dropped
+    before each batch, so every prefix hit is the connector's."""
+    for start in range(0, len(prompts), batch):
+        assert engine.scheduler.reset_prefix_cache()
+        for prompt in prompts[start : start + batch]:
+            engine.add(prompt)
+        engine.run()
+    return engine

@@ -17,7 +17,17 @@ from tiering.integrations.vllm import (
     TieringSpec,
 )
 
-from .harness import build_engine, native_extra, tiering_extra, write_model
+from .harness import (
+    LAYERS,
+    TRACE,
+    attention_spec,
+    build_engine,
+    native_extra,
+    replay,
+    tiering_extra,
+    trace_prompts,
+    write_model,
+)
 
 PROMPT = list(range(1, 257))  # 16 blocks of 16 tokens
 
@@ -178,3 +188,31 @@ def _store_specs():
     from tiering.specs import GPULoadStoreSpec
 
     return GPULoadStoreSpec([0]), CPULoadStoreSpec([0])
+
+
+def test_a_trace_through_vllms_scheduler_native_lru_and_tiering_lru_hit_alike(model):
+    """The first 3,000 requests of the Mooncake trace, with vLLM's native CPU spec and with
+    TieringSpec at the same capacity: tiering's LRU hits exactly as vLLM's own LRU does,
+    and its default policy more."""
+    if not TRACE.exists():
+        pytest.skip(f"the Mooncake trace is absent: {TRACE}")
+    prompts = trace_prompts(TRACE, 3000)
+    chunk_bytes = attention_spec().page_size_bytes * len(LAYERS)
+    capacity = 1500 * chunk_bytes  # 768,000 trace tokens: eviction decides the hits
+    hits = {}
+    for name, extra in (
+        ("native", native_extra(capacity)),
+        ("lru", tiering_extra(capacity, eviction_policy="lru")),
+        ("default", tiering_extra(capacity)),
+    ):
+        engine = build_engine(
+            model, extra, num_gpu_blocks=2048, max_model_len=8192, max_num_batched_tokens=8192
+        )
+        replay(engine, prompts)
+        hits[name] = engine.hit_tokens
+        if name != "native":
+            assert engine.manager.tier.statistics().pinned == 0
+    print(f"\nhit tokens: {hits}")
+    assert hits["native"] > 0
+    assert hits["lru"] == hits["native"]
+    assert hits["default"] > 1.1 * hits["native"]

@@ -176,8 +176,20 @@ class TieringOffloadingManager(OffloadingManager):
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
         keys = tuple(keys)
-        self._observe(keys, req_context)
-        out = self._tier.prepare_store(keys)
+        state = self._request(req_context)
+        # The request's own prefix (the chunks it loaded or stored before) is in use:
+        # no store of it may evict it, as vLLM's native manager ranks a request's
+        # accesses as it goes. Pinned for this call only; not counted as a load.
+        tier = self._tier
+        own = [key for key in state.keys if tier.holds(key, ready=True)]
+        if own:
+            tier.prepare_load(own, count=False)
+        try:
+            self._observe(keys, req_context)
+            out = tier.prepare_store(keys)
+        finally:
+            if own:
+                tier.complete_load(own)
         if out is None:
             return None
         if out.keys_to_store:
