@@ -1,4 +1,4 @@
-"""tiering inside vLLM 0.33: the same trace through vLLM's scheduler, native spec against TieringSpec.
+"""tiering in vLLM 0.33: one trace through vLLM's scheduler, native spec against TieringSpec.
 
 The conversation trace replayed through vLLM's real ``Scheduler`` with its
 ``OffloadingConnector`` (the harness of ``tests/vllm``: vLLM's engine core minus
@@ -36,6 +36,8 @@ from typing import Any
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 ROOT = Path(__file__).resolve().parents[1]
+# This file is called vllm.py: its own folder must not shadow the vllm package.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(ROOT))
 
 COST_TARGET = 1.0

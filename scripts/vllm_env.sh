@@ -8,7 +8,8 @@
 #   scripts/vllm_env.sh [VENV [TARGET]]     defaults: .venv .vllm-env
 #
 # TARGET/site is the folder for PYTHONPATH; TARGET/site/.complete marks a finished
-# install (a second run with it present does nothing).
+# install by this version of the script (a second run with it present does nothing;
+# a changed script installs again).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -34,7 +35,8 @@ if [[ ! -x "$PY" ]]; then
     echo "vllm_env.sh: no venv at $VENV (run make install first)" >&2
     exit 2
 fi
-if [[ -f "$STAMP" ]]; then
+SCRIPT_SUM=$(sha256sum "$0" | cut -d' ' -f1)
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$SCRIPT_SUM" ]]; then
     echo "vLLM $VLLM_VERSION test environment: $SITE (already installed)"
     exit 0
 fi
@@ -95,5 +97,5 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 print("vLLM", vllm.__version__, "with torch", torch.__version__, "from", torch.__file__)
 '
-touch "$STAMP"
+echo "$SCRIPT_SUM" > "$STAMP"
 echo "vLLM $VLLM_VERSION test environment: $SITE (${#pins[@]} packages besides vLLM)"

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-HEAVY = ("torch", "zmq", "redis", "prometheus_client")
+HEAVY = ("torch", "zmq", "redis", "prometheus_client", "vllm")
 
 # Module -> the heavy packages it may load on import.
 ALLOWED: dict[str, frozenset[str]] = {
@@ -28,6 +28,9 @@ ALLOWED: dict[str, frozenset[str]] = {
     "tiering.metrics": frozenset({"prometheus_client"}),
     "tiering.workload": frozenset(),
     "tiering.simulate": frozenset(),
+    # The vLLM adapters' package: vLLM is imported only when vLLM asks it for a class.
+    "tiering.integrations.vllm": frozenset(),
+    "tiering.integrations.vllm.config": frozenset(),
 }
 
 
@@ -65,3 +68,12 @@ def test_the_architecture_docs_layer_table_is_the_enforced_one() -> None:
     assert table == LAYERS
     for path in MODULES:  # every module is placed (layer_of raises otherwise)
         layer_of(module_name(path))
+
+
+def test_the_vllm_package_lists_each_lazy_name_once_and_loads_none_before_use() -> None:
+    import tiering.integrations.vllm as adapters
+
+    assert sorted(adapters.__all__) == sorted(adapters._EXPORTS)
+    assert set(adapters.__all__) <= set(dir(adapters))
+    with pytest.raises(AttributeError, match="it exposes ARCCachePolicy"):
+        adapters.TieringSpek  # noqa: B018 - the attribute access is the test

@@ -75,6 +75,8 @@ def test_the_same_bytes_give_the_same_number_of_chunks_as_vllms_native_spec(mode
         ({"eviction_policy": "aslur"}, "did you mean 'aslru'"),
         ({"transfer_backend": "gpu"}, "choose one of auto, cpu, cuda$"),
         ({"canonical_layout": True}, "canonical"),
+        ({"secondary_tiers": [{"type": "RedisSecondaryTier"}]}, "TieringOffloadingSpec"),
+        ({"store_threshold": 2}, "store_threshold'\\]=2"),
     ],
 )
 def test_a_bad_extra_config_value_is_one_clear_config_error(model, extra, message):

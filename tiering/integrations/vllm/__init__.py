@@ -22,7 +22,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers only
-    from tiering.integrations.vllm.config import (  # noqa: F401 - the lazy names, typed
+    from tiering.integrations.vllm.config import (
         build_offloading_config,
         from_vllm_offloading_config,
         is_kv_cache_tensor_packed,
@@ -51,13 +51,26 @@ _EXPORTS: dict[str, str] = {
     "RedisSecondaryTier": "redis_tier",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "ARCCachePolicy",
+    "ASLRUCachePolicy",
+    "LRUCachePolicy",
+    "RedisSecondaryTier",
+    "TieringOffloadingManager",
+    "TieringOffloadingWorker",
+    "TieringSpec",
+    "build_offloading_config",
+    "from_vllm_offloading_config",
+    "is_kv_cache_tensor_packed",
+]
 
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        raise AttributeError(
+            f"module {__name__!r} has no attribute {name!r}; it exposes {', '.join(__all__)}"
+        )
     value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
     globals()[name] = value  # later lookups skip this function
     return value

@@ -145,6 +145,20 @@ class TieringSpec(OffloadingSpec):
                 "pages as they are, not vLLM's canonical (parallelism-free) layout; remove "
                 "canonical_layout, or use vLLM's CPUOffloadingSpec"
             )
+        if extra.get("secondary_tiers"):
+            raise ConfigError(
+                f"{_where('secondary_tiers')} is set, but TieringSpec has no secondary tiers "
+                "inside vLLM yet; for Redis below the CPU tier use vLLM's own "
+                "spec_name 'TieringOffloadingSpec' with a secondary_tiers entry of type "
+                "'RedisSecondaryTier' and module_path 'tiering.integrations.vllm'"
+            )
+        threshold = extra.get("store_threshold")
+        if threshold not in (None, 0, 1, "0", "1"):
+            raise ConfigError(
+                f"{_where('store_threshold')}={threshold!r}: TieringSpec stores every chunk "
+                "it is offered (its policies decide what stays); remove store_threshold, or "
+                "use vLLM's CPUOffloadingSpec for admission by reuse count"
+            )
         # A replicated layout (every TP rank holds the same bytes) is served by keeping
         # each rank's copy: correct, as vLLM's own spec does without a shared region.
         self.replicated_layout = False
