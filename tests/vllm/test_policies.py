@@ -34,6 +34,8 @@ from tiering.simulate import requests_to_keys
 from tiering.workload.trace import read_trace
 
 from .harness import Engine, build_engine, native_extra, write_model
+from .harness import replay as harness_replay
+from .harness import trace_prompts as harness_trace_prompts
 
 MODULE = "tiering.integrations.vllm"
 OURS: dict[str, type[TieringCachePolicy]] = {
@@ -422,13 +424,7 @@ def require_trace() -> Path:
 
 def trace_prompts(limit: int) -> list[list[int]]:
     """The trace's first requests, one 16-token block (vLLM's block) per hash id."""
-    requests = read_trace(require_trace(), limit=limit)
-
-    def block(hash_id: int) -> list[int]:  # the id in two tokens, then a filler of its own
-        high, low = divmod(hash_id, 31_999)
-        return [1 + low, 1 + high] + [1 + (hash_id * 16 + j) % 31_999 for j in range(14)]
-
-    return [[t for h in r.hash_ids for t in block(h)] for r in requests]
+    return harness_trace_prompts(require_trace(), limit)
 
 
 def replay(model: Path, prompts: list[list[int]], policy: str, chunks: int, batch: int) -> Engine:
@@ -441,12 +437,7 @@ def replay(model: Path, prompts: list[list[int]], policy: str, chunks: int, batc
         max_num_batched_tokens=4096,
     )
     assert engine.manager._num_chunks == chunks
-    for start in range(0, len(prompts), batch):
-        assert engine.scheduler.reset_prefix_cache()
-        for prompt in prompts[start : start + batch]:
-            engine.add(prompt)
-        engine.run()
-    return engine
+    return harness_replay(engine, prompts, batch)
 
 
 POLICIES = ("lru", "LRUCachePolicy", "ASLRUCachePolicy", "arc", "ARCCachePolicy")

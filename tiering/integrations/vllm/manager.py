@@ -19,12 +19,14 @@ Events. With KV events on, the tier's chunk events leave through vLLM's own
 path (``take_events``, drained by the connector into vLLM's publisher) as
 ``OffloadingEvent`` records of medium CPU: a landed store is stored, an
 eviction is removed, and a reset removes every chunk the tier held (never a
-medium-less "all cleared", which a router would apply to its GPU state too).
+medium-less "all cleared", which a router would apply to its GPU state too),
+except with self-describing events, where vLLM drops what it would describe the
+removals with at the reset: there, as vLLM's native manager, nothing.
 
 Resets. vLLM discards every job in flight at a reset and never completes
 them (its stale-job threshold), so the tier is emptied at once
-(``reset(force=True)``); chunks that vLLM's workers may still be writing are
-fenced by vLLM itself until ``on_reset_flushed``.
+(``reset(force=True)``); vLLM has its workers finish the flushed jobs before any
+new store is submitted, so a reused slot is never written twice at once.
 """
 
 from __future__ import annotations
@@ -101,11 +103,17 @@ class TieringOffloadingManager(OffloadingManager):
         policy: CachePolicy | str,
         *,
         enable_events: bool = False,
+        self_describing_events: bool = False,
         config_info: ConfigInfoMapping | None = None,
     ) -> None:
         self.medium = Medium.CPU
         self._tier = CPUOffloadingManager(num_chunks, policy, enable_events=enable_events)
         self._enable_events = enable_events
+        # vLLM forgets the self-describing payloads of every chunk at a reset (before it
+        # takes this reset's events), so it could only announce a removal of one hash
+        # per chunk where the store named them all: then a reset announces nothing, as
+        # vLLM's native manager does. Otherwise stores and removals name the same hash.
+        self._reset_events = not self_describing_events
         self._config_info: ConfigInfoMapping = dict(config_info or {})
         self._generation = 0
         # Counts since the last get_stats(), for vLLM's counters (which add deltas).
@@ -178,18 +186,22 @@ class TieringOffloadingManager(OffloadingManager):
         keys = tuple(keys)
         state = self._request(req_context)
         # The request's own prefix (the chunks it loaded or stored before) is in use:
-        # no store of it may evict it, as vLLM's native manager ranks a request's
-        # accesses as it goes. Pinned for this call only; not counted as a load.
+        # a store of it evicts other chunks first, as vLLM's native manager ranks a
+        # request's accesses as it goes. Pinned for this try only (not counted as a
+        # load); when nothing else can make room, the store may evict them after all.
         tier = self._tier
-        own = [key for key in state.keys if tier.holds(key, ready=True)]
+        self._observe(keys, req_context)
+        offered = set(keys)
+        own = [key for key in state.keys if key not in offered and tier.holds(key, ready=True)]
+        out = None
         if own:
             tier.prepare_load(own, count=False)
-        try:
-            self._observe(keys, req_context)
-            out = tier.prepare_store(keys)
-        finally:
-            if own:
+            try:
+                out = tier.prepare_store(keys, count=False)
+            finally:
                 tier.complete_load(own)
+        if out is None:
+            out = tier.prepare_store(keys)
         if out is None:
             return None
         if out.keys_to_store:
@@ -220,12 +232,10 @@ class TieringOffloadingManager(OffloadingManager):
         for event in self._tier.take_events():
             if isinstance(event, ChunksStored):
                 yield OffloadingEvent(keys=list(event.keys), medium=self.medium, removed=False)
-            elif isinstance(event, ChunksRemoved):
+            elif isinstance(event, ChunksRemoved) or (
+                isinstance(event, AllChunksCleared) and event.keys and self._reset_events
+            ):
                 yield OffloadingEvent(keys=list(event.keys), medium=self.medium, removed=True)
-            elif isinstance(event, AllChunksCleared):
-                held = list(getattr(event, "keys", ()))
-                if held:
-                    yield OffloadingEvent(keys=held, medium=self.medium, removed=True)
 
     def get_stats(self) -> OffloadingConnectorStats:
         stats = self._tier.statistics()

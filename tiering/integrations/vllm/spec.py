@@ -202,6 +202,7 @@ class TieringSpec(OffloadingSpec):
                 self.num_chunks,
                 self.policy,
                 enable_events=self.kv_events_config.enable_kv_cache_events,
+                self_describing_events=self.kv_events_config.self_describing_kv_events,
                 config_info=self.info.as_config_info(),
             )
         return self._manager

@@ -46,6 +46,9 @@ __all__ = ["TieringOffloadingWorker", "layout_of"]
 
 logger = logging.getLogger(__name__)
 
+#: The backend's bound on jobs in flight here: none that vLLM's own scheduling can reach.
+_NO_CAP = 1 << 62
+
 
 def layout_of(kv_caches: CanonicalKVCaches, blocks_per_chunk: int) -> KVLayout:
     """The tiering layout of vLLM's canonical KV caches: group ``g`` holds the views it uses.
@@ -114,7 +117,11 @@ class TieringOffloadingWorker(OffloadingWorker):
         self.num_chunks = num_chunks
         self.pool = HostMemoryPool(self.layout.pool_bytes(num_chunks))
         try:
-            self.backend: TransferBackend = create_backend(name, self.layout, self.pool)
+            # vLLM bounds the jobs itself (a load and a store per request per step) and
+            # treats a refused submission as fatal, so the backend adds no cap of its own.
+            self.backend: TransferBackend = create_backend(
+                name, self.layout, self.pool, max_in_flight=_NO_CAP
+            )
         except BaseException:
             self.pool.close()
             raise
