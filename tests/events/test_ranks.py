@@ -6,7 +6,6 @@ publisher less the rank, so the ports it must end up on are the free ones.
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 
 import pytest
@@ -15,21 +14,11 @@ import zmq
 from tiering.errors import ConfigError
 from tiering.events import BlockRemoved, KVEventBatch, KVEventsConfig, decode_batch
 from tiering.events.config import offset_endpoint
-from tiering.events.publisher import END_SEQ, ZmqEventPublisher
+from tiering.events.publisher import ZmqEventPublisher
+
+from .replay_client import ask_replay, free_ports
 
 RANK = 3
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct loopback ports nothing listens on (held together while they are picked)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
 
 
 def removal(i: int, rank: int | None) -> KVEventBatch:
@@ -54,22 +43,6 @@ def go_live(publisher: ZmqEventPublisher, sub: zmq.Socket[bytes]) -> int:
         seq += 1
         if sub.poll(50):
             return seq
-
-
-def replayed(endpoint: str) -> list[list[bytes]]:
-    """Every message a DEALER gets from ``endpoint`` for a replay from 0, the end marker last."""
-    dealer = zmq.Context.instance().socket(zmq.DEALER)
-    try:
-        dealer.connect(endpoint)
-        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
-        got = []
-        while True:
-            assert dealer.poll(10_000), "no replay answer"
-            got.append(dealer.recv_multipart())
-            if got[-1][2] == END_SEQ:
-                return got
-    finally:
-        dealer.close(linger=0)
 
 
 def test_a_ranked_publisher_moves_both_ports_and_stamps_batches(
@@ -97,7 +70,7 @@ def test_a_ranked_publisher_moves_both_ports_and_stamps_batches(
                 live.append(decode_batch(payload))
         assert live == [removal(100, RANK), removal(101, 7)]
         # The replay port is moved too, and replays the stamped payloads.
-        frames = replayed(publisher.replay_endpoint)
+        frames = ask_replay(publisher.replay_endpoint, 0)
         batches = [decode_batch(f[3]) for f in frames[:-1]]
         assert [b.data_parallel_rank for b in batches] == [RANK] * seq + [RANK, 7]
         assert batches[-2:] == live
@@ -114,7 +87,7 @@ def test_rank_zero_keeps_the_endpoints_and_stamps_zero(sub_socket: zmq.Socket[by
         sub_socket.connect(publisher.endpoint)
         seq = go_live(publisher, sub_socket)
         assert publisher.replay_endpoint is not None
-        frames = replayed(publisher.replay_endpoint)
+        frames = ask_replay(publisher.replay_endpoint, 0)
         got = [decode_batch(f[3]) for f in frames[:-1]]
         assert got == [removal(i, 0) for i in range(seq)]  # vLLM stamps 0 too
     finally:

@@ -8,28 +8,13 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import zmq
 
 from tiering.events import KVEventsConfig, decode_batch
 from tiering.events.publisher import END_SEQ, ZmqEventPublisher
 
+from .replay_client import ask_replay
+
 GOLDEN = Path(__file__).parent / "golden" / "replay" / "frames.msgpack"
-
-
-def ask_replay(endpoint: str, start: int) -> list[list[bytes]]:
-    """The messages a DEALER receives for one replay request from ``start``, end marker last."""
-    dealer = zmq.Context.instance().socket(zmq.DEALER)
-    try:
-        dealer.connect(endpoint)
-        dealer.send_multipart([b"", start.to_bytes(8, "big")])
-        got: list[list[bytes]] = []
-        while True:
-            assert dealer.poll(10_000), "no replay answer"
-            got.append(dealer.recv_multipart())
-            if got[-1][2] == END_SEQ:
-                return got
-    finally:
-        dealer.close(linger=0)
 
 
 def test_the_replay_router_answers_as_vllms_recorded_frames() -> None:

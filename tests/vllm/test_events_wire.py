@@ -8,7 +8,6 @@ Re-record the replay golden (tests/events/golden/replay/) from vLLM's own publis
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -19,7 +18,6 @@ import pytest
 pytest.importorskip("vllm")
 
 import msgspec
-import zmq
 from vllm.distributed import kv_events as vllm_events
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import (
     OffloadingEventsTracker,
@@ -46,6 +44,12 @@ from tiering.events import (
     encode_batch,
 )
 from tiering.events.config import offset_endpoint
+
+try:
+    from ..events.replay_client import ask_replay, free_ports
+except ImportError:  # run as a script (to re-record the golden): no parent package
+    sys.path.insert(0, str(Path(__file__).parents[1] / "events"))
+    from replay_client import ask_replay, free_ports
 
 GOLDEN = Path(__file__).parents[1] / "events" / "golden" / "replay" / "frames.msgpack"
 RECORD = (
@@ -238,33 +242,6 @@ def golden_batches() -> list[KVEventBatch]:
         ),
         KVEventBatch(ts=TS + 3, events=[EVENTS["removed, required fields only"]]),
     ]
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
-
-
-def ask_replay(endpoint: str, start: int) -> list[list[bytes]]:
-    """The messages a DEALER receives for one replay request from ``start``, end marker last."""
-    dealer = zmq.Context.instance().socket(zmq.DEALER)
-    try:
-        dealer.connect(endpoint)
-        dealer.send_multipart([b"", start.to_bytes(8, "big")])
-        got: list[list[bytes]] = []
-        while True:
-            assert dealer.poll(10_000), "no replay answer"
-            got.append(dealer.recv_multipart())
-            if got[-1][2] == vllm_events.ZmqEventPublisher.END_SEQ:
-                return got
-    finally:
-        dealer.close(linger=0)
 
 
 def record_vllm() -> dict[str, Any]:

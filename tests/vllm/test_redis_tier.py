@@ -51,7 +51,7 @@ from tiering.integrations.vllm.redis_tier import (
 )
 from tiering.secondary.codec import ChunkCodec, Verdict
 
-from ..secondary.conftest import RedisServer, require_redis_py
+from ..secondary import conftest as secondary
 from .harness import Engine, build_engine, write_model
 
 CHUNK = 16 << 10  # one 16-token block of the harness's model (2 layers x 8 KiB)
@@ -66,21 +66,10 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_model(tmp_path_factory.mktemp("model"))
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    require_redis_py()
-    redis = RedisServer(tmp_path_factory.mktemp("redis"))
-    yield redis
-    redis.stop()
-
-
-@pytest.fixture
-def own_server(tmp_path: Path) -> Iterator[RedisServer]:
-    """A server of this test alone, to kill, freeze and start again."""
-    require_redis_py()
-    redis = RedisServer(tmp_path / "redis")
-    yield redis
-    redis.stop()
+# The secondary tests' servers (fixtures): the session's standalone one, shared (each
+# test has a namespace of its own), and one of a test alone, to kill, freeze and start again.
+redis_server = secondary.redis_server
+own_redis_server = secondary.own_redis_server
 
 
 def entry(url: str, **options: Any) -> dict[str, Any]:
@@ -185,8 +174,8 @@ def stats_data(tier: RedisSecondaryTier) -> dict[str, Any]:
     return dict(stats.data["data"])
 
 
-def test_a_prefix_only_redis_holds_is_promoted_and_loaded_byte_for_byte(model, server):
-    engine = make_engine(model, server.url)
+def test_a_prefix_only_redis_holds_is_promoted_and_loaded_byte_for_byte(model, redis_server):
+    engine = make_engine(model, redis_server.url)
     spy = Spy(engine)
     tier = spy.tier
     try:
@@ -196,7 +185,7 @@ def test_a_prefix_only_redis_holds_is_promoted_and_loaded_byte_for_byte(model, s
         stored = dict(spy.stored)
         # In Redis, under the namespace, each value self-checking and the row's bytes.
         codec = ChunkCodec(tier.namespace)
-        client = server.client()
+        client = redis_server.client()
         assert len(list(client.scan_iter(match=codec.key_prefix + b"*"))) == 16
         for key, row in stored.items():
             out = bytearray(CHUNK)
@@ -225,8 +214,8 @@ def test_a_prefix_only_redis_holds_is_promoted_and_loaded_byte_for_byte(model, s
         spy.shutdown()
 
 
-def test_lookup_is_retry_until_redis_answers_and_bounded_in_flight(model, server):
-    engine = make_engine(model, server.url, max_lookups_in_flight=2)
+def test_lookup_is_retry_until_redis_answers_and_bounded_in_flight(model, redis_server):
+    engine = make_engine(model, redis_server.url, max_lookups_in_flight=2)
     spy = Spy(engine)
     tier = spy.tier
     try:
@@ -256,9 +245,9 @@ def test_lookup_is_retry_until_redis_answers_and_bounded_in_flight(model, server
 
 
 def test_redis_killed_mid_run_is_counted_requests_recompute_and_the_tier_recovers(
-    model, own_server
+    model, own_redis_server
 ):
-    engine = make_engine(model, own_server.url, timeout_s=1.0, backoff_s=[0.01, 0.05])
+    engine = make_engine(model, own_redis_server.url, timeout_s=1.0, backoff_s=[0.01, 0.05])
     spy = Spy(engine)
     tier = spy.tier
     try:
@@ -267,7 +256,7 @@ def test_redis_killed_mid_run_is_counted_requests_recompute_and_the_tier_recover
         assert tier.statistics().redis.writes_total == 16
         engine.add(PROMPT_B)
         engine.step()  # B is being computed; its store comes in a later step
-        own_server.kill()
+        own_redis_server.kill()
         engine.run()  # B's store to Redis fails: no crash
         assert engine.scheduler.reset_prefix_cache()
         assert spy.run(PROMPT_A) == 0  # Redis is away: A is recomputed
@@ -280,7 +269,7 @@ def test_redis_killed_mid_run_is_counted_requests_recompute_and_the_tier_recover
         assert sum(data[METRIC_WRITES_DROPPED].values()) >= 16
         assert data[METRIC_UP] == {(): 0}
 
-        own_server.start()  # back, empty: the tier probes it after its backoff
+        own_redis_server.start()  # back, empty: the tier probes it after its backoff
         deadline = time.monotonic() + 15
         prompts = iter(range(20_000, 10**6, 1000))
         while True:
@@ -299,8 +288,8 @@ def test_redis_killed_mid_run_is_counted_requests_recompute_and_the_tier_recover
         spy.shutdown()
 
 
-def test_a_corrupted_value_is_refused_counted_and_never_loaded(model, server):
-    engine = make_engine(model, server.url)
+def test_a_corrupted_value_is_refused_counted_and_never_loaded(model, redis_server):
+    engine = make_engine(model, redis_server.url)
     spy = Spy(engine)
     tier = spy.tier
     try:
@@ -309,7 +298,7 @@ def test_a_corrupted_value_is_refused_counted_and_never_loaded(model, server):
         keys = spy.keys(spy.requests[-1])
         assert set(keys) == set(spy.stored)
         codec = ChunkCodec(tier.namespace)
-        client = server.client()
+        client = redis_server.client()
         remote = codec.remote_key(keys[8])
         value = client.get(remote)
         at = len(value) - 100  # a byte of the payload
@@ -328,9 +317,9 @@ def test_a_corrupted_value_is_refused_counted_and_never_loaded(model, server):
         spy.shutdown()
 
 
-def test_shutdown_stops_the_tiers_thread_and_is_idempotent(model, server):
+def test_shutdown_stops_the_tiers_thread_and_is_idempotent(model, redis_server):
     before = {thread.ident for thread in threading.enumerate()}
-    engine = make_engine(model, server.url)
+    engine = make_engine(model, redis_server.url)
     spy = Spy(engine)
     spy.run(PROMPT_A)
     assert [t for t in threading.enumerate() if t.ident not in before]  # the tier's loop
@@ -346,9 +335,9 @@ def test_shutdown_stops_the_tiers_thread_and_is_idempotent(model, server):
 
 
 @pytest.fixture(scope="module")
-def built(model, server) -> Iterator[tuple[Any, memoryview]]:
+def built(model, redis_server) -> Iterator[tuple[Any, memoryview]]:
     """vLLM's spec and the CPU tier's memoryview, for tiers made by the tests themselves."""
-    engine = make_engine(model, server.url)
+    engine = make_engine(model, redis_server.url)
     tier = engine.manager.secondary_tiers[0]
     yield tier._offloading_spec, engine.manager.primary_tier.get_kv_memoryview()
     engine.manager.shutdown()
@@ -404,9 +393,9 @@ def asked(tier: RedisSecondaryTier, key: bytes) -> LookupResult:
 KEY = b"\x07" * 32 + b"\x00\x00\x00\x00"
 
 
-def test_namespaces_never_share_values(make_tier, server, built):
-    ours = make_tier(server.url, namespace="a")
-    theirs = make_tier(server.url, namespace="b")
+def test_namespaces_never_share_values(make_tier, redis_server, built):
+    ours = make_tier(redis_server.url, namespace="a")
+    theirs = make_tier(redis_server.url, namespace="b")
     assert ours.namespace.digest() != theirs.namespace.digest()
     ours.submit_store(job(1, [KEY], [3]))
     (result,) = finished(ours)
@@ -414,7 +403,7 @@ def test_namespaces_never_share_values(make_tier, server, built):
     assert result.transfer_bytes == CHUNK
     assert asked(ours, KEY) is LookupResult.HIT
     assert asked(theirs, KEY) is LookupResult.MISS
-    assert server.client().exists(ChunkCodec(ours.namespace).remote_key(KEY)) == 1
+    assert redis_server.client().exists(ChunkCodec(ours.namespace).remote_key(KEY)) == 1
     # Another model (or dtype, or layout) is another namespace, whatever the operator's.
     config = built[0].config
     other = dataclasses.replace(config, model=dataclasses.replace(config.model, name="other"))
@@ -422,8 +411,8 @@ def test_namespaces_never_share_values(make_tier, server, built):
     assert remote_namespace(config, CHUNK, "a").digest() == ours.namespace.digest()
 
 
-def test_a_load_writes_the_rows_and_fails_only_the_keys_redis_lacks(make_tier, server, built):
-    tier = make_tier(server.url)
+def test_a_load_writes_the_rows_and_fails_only_the_keys_redis_lacks(make_tier, redis_server, built):
+    tier = make_tier(redis_server.url)
     rows = np.frombuffer(built[1].cast("B"), dtype=np.uint8).reshape(-1, CHUNK)
     rows[4] = np.arange(CHUNK, dtype=np.uint8)
     tier.submit_store(job(1, [KEY], [4]))
@@ -439,10 +428,10 @@ def test_a_load_writes_the_rows_and_fails_only_the_keys_redis_lacks(make_tier, s
     assert tier.statistics().redis.read_misses_total == 1
 
 
-def test_stores_past_the_bound_are_dropped_and_counted(make_tier, own_server):
-    tier = make_tier(own_server.url, max_store_jobs=1, timeout_s=5.0)
+def test_stores_past_the_bound_are_dropped_and_counted(make_tier, own_redis_server):
+    tier = make_tier(own_redis_server.url, max_store_jobs=1, timeout_s=5.0)
     assert asked(tier, KEY) is LookupResult.MISS  # connected
-    own_server.freeze()  # the first store waits for an answer
+    own_redis_server.freeze()  # the first store waits for an answer
     try:
         tier.submit_store(job(1, [KEY], [0]))
         tier.submit_store(job(2, [KEY], [1]))  # past the bound: failed at once
@@ -450,7 +439,7 @@ def test_stores_past_the_bound_are_dropped_and_counted(make_tier, own_server):
         assert dropped.job_id == 2
         assert not dropped.success
     finally:
-        own_server.thaw()
+        own_redis_server.thaw()
     (landed,) = finished(tier)
     assert landed.job_id == 1
     assert landed.success
@@ -460,12 +449,14 @@ def test_stores_past_the_bound_are_dropped_and_counted(make_tier, own_server):
     assert stats_data(tier)[METRIC_WRITES_DROPPED] == {(DROPPED_QUEUE_FULL,): 1}
 
 
-def test_stored_chunks_are_announced_as_remote_storage_when_events_are_on(make_tier, server, built):
+def test_stored_chunks_are_announced_as_remote_storage_when_events_are_on(
+    make_tier, redis_server, built
+):
     spec = copy.copy(built[0])
     spec.kv_events_config = OffloadingKVEventsConfig(
         enable_kv_cache_events=True, self_describing_kv_events=False
     )
-    tier = make_tier(server.url, spec=spec, enable_kv_events=True)
+    tier = make_tier(redis_server.url, spec=spec, enable_kv_events=True)
     assert list(tier.take_events()) == []
     tier.submit_store(job(1, [KEY], [2]))
     assert finished(tier)[0].success
@@ -477,10 +468,10 @@ def test_stored_chunks_are_announced_as_remote_storage_when_events_are_on(make_t
     assert list(tier.take_events()) == []
 
 
-def test_metrics_and_config_info_are_what_vllms_spec_declares(make_tier, server):
-    extra = {"cpu_bytes_to_use": CPU_CHUNKS * CHUNK, "secondary_tiers": [entry(server.url)]}
+def test_metrics_and_config_info_are_what_vllms_spec_declares(make_tier, redis_server):
+    extra = {"cpu_bytes_to_use": CPU_CHUNKS * CHUNK, "secondary_tiers": [entry(redis_server.url)]}
     definitions = TieringOffloadingSpec.build_metric_definitions(extra)
-    tier = make_tier(server.url)
+    tier = make_tier(redis_server.url)
     tier.submit_store(job(1, [KEY], [0]))
     finished(tier)
     for name, values in stats_data(tier).items():
@@ -490,7 +481,7 @@ def test_metrics_and_config_info_are_what_vllms_spec_declares(make_tier, server)
     keys = TieringOffloadingSpec.config_info_keys(extra)
     info = tier.config_info()
     assert set(info) <= set(keys)
-    assert info["redis_url"] == server.url
+    assert info["redis_url"] == redis_server.url
     assert info["redis_namespace"] == tier.namespace.digest().hex()[:16]
 
 
@@ -514,8 +505,8 @@ def test_metrics_and_config_info_are_what_vllms_spec_declares(make_tier, server)
         ({"colour": "blue"}, "unknown key(s) 'colour'"),
     ],
 )
-def test_a_bad_entry_value_is_one_error_naming_the_key(make_tier, server, options, named):
-    url = options.pop("url", server.url)
+def test_a_bad_entry_value_is_one_error_naming_the_key(make_tier, redis_server, options, named):
+    url = options.pop("url", redis_server.url)
     with pytest.raises(ConfigError) as caught:
         make_tier(url, **options)
     assert named in str(caught.value)
