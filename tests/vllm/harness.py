@@ -261,6 +261,8 @@ class Engine:
     #: Seconds spent in vLLM's scheduler (``schedule`` and ``update_from_output``,
     #: which include every connector and manager call), over all steps.
     scheduler_seconds: float = 0.0
+    #: The connector's counters as vLLM's metrics got them (``kv_connector_stats``), summed.
+    counters: dict[str, float] = field(default_factory=dict)
     finished: list[str] = field(default_factory=list)
     _ids: Iterable[int] = field(default_factory=itertools.count)
     _pending: dict[int, str | None] = field(default_factory=dict)  # job -> req (loads)
@@ -286,6 +288,13 @@ class Engine:
             if connector is not None:
                 self.hit_tokens += connector.hits + connector.preempted_hits
                 self.queried_tokens += connector.queries + connector.preempted_queries
+            payload = stats.kv_connector_stats if stats is not None else None
+            if payload:  # what vLLM's metrics receive from the connector: counters add up
+                types, values = payload.get("types", {}), payload.get("data", {})
+                for name, by_labels in values.items():
+                    if types.get(name) == "counter":
+                        total = sum(by_labels.values())
+                        self.counters[name] = self.counters.get(name, 0) + total
 
     def add(
         self, prompt: Sequence[int], *, max_tokens: int = 1, req_id: str | None = None

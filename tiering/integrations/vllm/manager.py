@@ -31,7 +31,7 @@ new store is submitted, so a reused slot is never written twice at once.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -47,10 +47,12 @@ from vllm.v1.kv_offload.base import (
     PrepareStoreOutput,
     ReqContext,
     RequestOffloadingContext,
+    ScheduleEndContext,
 )
 from vllm.v1.kv_offload.base import LookupResult as VllmLookupResult
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VllmCPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics
+from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tiering.cpu.manager import (
@@ -60,6 +62,7 @@ from tiering.cpu.manager import (
     CPUOffloadingManager,
     LookupResult,
 )
+from tiering.integrations.vllm.cascade import SecondaryLink
 from tiering.policies import CachePolicy
 
 __all__ = ["TieringMetrics", "TieringOffloadingManager"]
@@ -105,6 +108,8 @@ class TieringOffloadingManager(OffloadingManager):
         enable_events: bool = False,
         self_describing_events: bool = False,
         config_info: ConfigInfoMapping | None = None,
+        secondary: Callable[[], SecondaryTierManager | None] | None = None,
+        on_shutdown: Callable[[], object] | None = None,
     ) -> None:
         self.medium = Medium.CPU
         self._tier = CPUOffloadingManager(num_chunks, policy, enable_events=enable_events)
@@ -119,6 +124,9 @@ class TieringOffloadingManager(OffloadingManager):
         # Counts since the last get_stats(), for vLLM's counters (which add deltas).
         self._reported = (0, 0, 0)
         self._allocation_sizes: list[int] = []
+        #: The secondary tier below, when configured (built once the rows can be mapped).
+        self.link = SecondaryLink(self._tier, secondary) if secondary is not None else None
+        self._on_shutdown = on_shutdown
 
     @property
     def tier(self) -> CPUOffloadingManager:
@@ -141,6 +149,8 @@ class TieringOffloadingManager(OffloadingManager):
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         self._request(req_context)
+        if self.link is not None:
+            self.link.on_new_request(req_context)
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
@@ -153,6 +163,8 @@ class TieringOffloadingManager(OffloadingManager):
         ):
             return
         state.finished = True
+        if self.link is not None:
+            self.link.on_request_finished(req_context)
         keys = list(state.keys)
         if not keys:
             return
@@ -166,7 +178,10 @@ class TieringOffloadingManager(OffloadingManager):
     # -- the tier ---------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> VllmLookupResult:
-        return _LOOKUP[self._tier.lookup(key)]
+        found = self._tier.lookup(key)
+        if found is LookupResult.MISS and self.link is not None:
+            return self.link.lookup(key, req_context)
+        return _LOOKUP[found]
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         return CacheHitSource.HOST
@@ -215,18 +230,36 @@ class TieringOffloadingManager(OffloadingManager):
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
-        self._tier.complete_store(tuple(keys), success)
+        keys = tuple(keys)
+        tier = self._tier
+        if self.link is None or not success:
+            tier.complete_store(keys, success)
+            return
+        landing = [key for key in keys if tier.holds(key) and not tier.holds(key, ready=True)]
+        tier.complete_store(keys, success)
+        self.link.landed(landing, req_context)
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        if self.link is not None:
+            self.link.on_schedule_end(context)
+
+    def has_pending_work(self) -> bool:
+        return self.link is not None and self.link.has_pending_work()
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self._tier.touch([key for key in keys if self._tier.holds(key)])
 
     def reset_cache(self) -> None:
+        if self.link is not None:
+            self.link.reset()  # no job of the secondary tier uses the rows any more
         self._tier.reset(force=True)
         self._generation += 1
 
     # -- what vLLM reads --------------------------------------------------------
 
     def take_events(self) -> Iterator[OffloadingEvent]:
+        if self.link is not None:
+            yield from self.link.take_events()  # the secondary tier's own (it owns them)
         if not self._enable_events:
             return
         for event in self._tier.take_events():
@@ -260,10 +293,17 @@ class TieringOffloadingManager(OffloadingManager):
         for name, total, before in zip(names, now, self._reported, strict=True):
             out.increase_counter(name, total - before)
         self._reported = now
-        return out
+        return out if self.link is None else self.link.add_stats(out)
 
     def config_info(self) -> Sequence[ConfigInfoMapping]:
         return [self._config_info]
+
+    def shutdown(self) -> None:
+        if self.link is not None:
+            self.link.shutdown()
+        if self._on_shutdown is not None:
+            self._on_shutdown()  # e.g. the spec unmaps the rows it shared with the tier
+            self._on_shutdown = None
 
     def __repr__(self) -> str:
         return f"<TieringOffloadingManager {self._tier!r}>"

@@ -107,6 +107,8 @@ METRIC_LOOKUPS_DEFERRED = _PREFIX + "lookups_deferred"
 METRIC_UP = _PREFIX + "up"
 
 _INFO_KEYS = ("redis_url", "redis_namespace", "redis_checksum")
+#: The keys of a ``secondary_tiers`` entry that vLLM's factory reads, not the tier.
+_VLLM_ENTRY_KEYS = frozenset({"type", "module_path", "backpressure"})
 
 
 class RedisSecondaryTierStatistics(msgspec.Struct, frozen=True, kw_only=True):
@@ -544,6 +546,12 @@ class RedisSecondaryTier(SecondaryTierManager):
         self._reported_dropped = dict(self._dropped)
         self._reported_deferred = deferred
         return None if stats.is_empty() else stats
+
+    @classmethod
+    def check_entry(cls, tier_type: str, entry: Mapping[str, Any]) -> None:
+        """Refuse a bad ``secondary_tiers`` entry before anything is built (one `ConfigError`
+        naming the key); vLLM's own keys of an entry are not the tier's to check."""
+        _Options(tier_type, {k: v for k, v in entry.items() if k not in _VLLM_ENTRY_KEYS})
 
     @classmethod
     def config_info_keys(cls, tier_config: dict[str, Any]) -> tuple[str, ...]:

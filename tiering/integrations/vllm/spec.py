@@ -32,6 +32,7 @@ one `ConfigError` naming the key):
 from __future__ import annotations
 
 import difflib
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -47,12 +48,18 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo, CPUOffloadingMetrics
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
+from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
 from tiering.config import DEFAULT_POLICY
 from tiering.errors import ConfigError
+from tiering.integrations.vllm.cascade import CascadeMetrics
 from tiering.integrations.vllm.manager import TieringMetrics, TieringOffloadingManager
+from tiering.integrations.vllm.redis_tier import RedisSecondaryTier
 from tiering.integrations.vllm.worker import TieringOffloadingWorker
 from tiering.policies import POLICY_NAMES
+from tiering.transfer import HostMemoryPool
+from tiering.transfer.memory import SHM_DIR
 
 __all__ = ["EXTRA_KEYS", "TieringOffloadingInfo", "TieringSpec"]
 
@@ -68,6 +75,44 @@ class TieringOffloadingInfo(CPUOffloadingInfo):
     """vLLM's CPU-tier facts (``vllm:kv_offload_config_info``), plus the policy's name."""
 
     cpu_eviction_policy: str = DEFAULT_POLICY
+
+
+def _secondary_entry(extra: Mapping[str, Any], world_size: int) -> dict[str, Any] | None:
+    """The one ``secondary_tiers`` entry (tiering's Redis tier), checked; None without one."""
+    tiers = extra.get("secondary_tiers")
+    if not tiers:
+        return None
+    where = _where("secondary_tiers")
+    if not isinstance(tiers, list) or not all(isinstance(t, Mapping) for t in tiers):
+        raise ConfigError(f"{where} must be a list of tier entries (objects), got {tiers!r}")
+    if len(tiers) != 1:
+        raise ConfigError(
+            f"{where} lists {len(tiers)} tiers; TieringSpec takes one below its CPU tier"
+        )
+    entry = dict(tiers[0])
+    kind, module = entry.get("type"), entry.get("module_path")
+    if (kind, module) != ("RedisSecondaryTier", "tiering.integrations.vllm"):
+        raise ConfigError(
+            f"{where}[0] is type {kind!r} from {module!r}; TieringSpec takes tiering's own "
+            "tier: type 'RedisSecondaryTier', module_path 'tiering.integrations.vllm' (for "
+            "vLLM's tiers, use spec_name 'TieringOffloadingSpec')"
+        )
+    if world_size != 1:
+        raise ConfigError(
+            f"{where} is set with {world_size} workers; TieringSpec's secondary tier reads "
+            "the rows of one worker (world size 1); for more, use spec_name "
+            "'TieringOffloadingSpec' with this entry"
+        )
+    # Its rows are laid out as tiering's pool lays them (not as vLLM's CPU tier does):
+    # their values live apart from TieringOffloadingSpec's in the same store.
+    entry["namespace"] = f"TieringSpec/{entry.get('namespace', '')}"
+    RedisSecondaryTier.check_entry("RedisSecondaryTier", entry)  # fail at start, not later
+    return entry
+
+
+def _shm_name(config: OffloadingConfig) -> str:
+    engine = "".join(c if c.isalnum() or c in "-_" else "_" for c in config.engine_id)
+    return f"tiering-{engine}-rank{config.parallel.rank}"
 
 
 def _where(key: str) -> str:
@@ -129,6 +174,10 @@ class TieringSpec(OffloadingSpec):
         definitions[TieringMetrics.STORE_FAILURES] = OffloadingCounterMetadata(
             documentation="Chunks whose store failed on a worker (their slots were freed)."
         )
+        if extra_config.get("secondary_tiers"):
+            for name, text in CascadeMetrics.DOCS.items():
+                definitions[name] = OffloadingCounterMetadata(documentation=text)
+            definitions.update(RedisSecondaryTier.build_metric_definitions(extra_config))
         return definitions
 
     @classmethod
@@ -145,13 +194,7 @@ class TieringSpec(OffloadingSpec):
                 "pages as they are, not vLLM's canonical (parallelism-free) layout; remove "
                 "canonical_layout, or use vLLM's CPUOffloadingSpec"
             )
-        if extra.get("secondary_tiers"):
-            raise ConfigError(
-                f"{_where('secondary_tiers')} is set, but TieringSpec has no secondary tiers "
-                "inside vLLM yet; for Redis below the CPU tier use vLLM's own "
-                "spec_name 'TieringOffloadingSpec' with a secondary_tiers entry of type "
-                "'RedisSecondaryTier' and module_path 'tiering.integrations.vllm'"
-            )
+        self.secondary_tier = _secondary_entry(extra, config.parallel.world_size)
         threshold = extra.get("store_threshold")
         if threshold not in (None, 0, 1, "0", "1"):
             raise ConfigError(
@@ -189,6 +232,10 @@ class TieringSpec(OffloadingSpec):
         )
         self._manager: TieringOffloadingManager | None = None
         self._worker: TieringOffloadingWorker | None = None
+        #: The CPU tier's rows in /dev/shm, shared by the worker with the scheduler's
+        #: secondary tier (None: no secondary tier).
+        self.shm_name = _shm_name(config) if self.secondary_tier is not None else None
+        self._shared_rows: HostMemoryPool | None = None
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
@@ -204,6 +251,8 @@ class TieringSpec(OffloadingSpec):
                 enable_events=self.kv_events_config.enable_kv_cache_events,
                 self_describing_events=self.kv_events_config.self_describing_kv_events,
                 config_info=self.info.as_config_info(),
+                secondary=self._secondary_tier if self.secondary_tier is not None else None,
+                on_shutdown=self._unshare_rows,
             )
         return self._manager
 
@@ -215,8 +264,42 @@ class TieringSpec(OffloadingSpec):
                 num_chunks=self.num_chunks,
                 blocks_per_chunk=self.blocks_per_chunk,
                 backend=self.transfer_backend,
+                shm_name=self.shm_name,
             )
         return self._worker
+
+    def _secondary_tier(self) -> SecondaryTierManager | None:
+        """The secondary tier over the worker's rows, once the worker has shared them."""
+        if self.secondary_tier is None or self.shm_name is None:
+            return None
+        path = os.path.join(SHM_DIR, self.shm_name)
+        try:
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            return None  # the worker has not registered its KV caches yet
+        if size % self.num_chunks:
+            raise ConfigError(
+                f"{path} holds {size} bytes, not a whole number of the CPU tier's "
+                f"{self.num_chunks} rows: another engine's file under this engine id?"
+            )
+        rows = HostMemoryPool(size, shm_name=self.shm_name, create=False)
+        table = rows.tensor.view(self.num_chunks, size // self.num_chunks).numpy()
+        view = memoryview(table)  # type: ignore[arg-type]  # numpy arrays are buffers
+        try:
+            tier: SecondaryTierManager = SecondaryTierFactory.create_secondary_tier(
+                dict(self.secondary_tier), view, self
+            )
+        except BaseException:
+            view.release()
+            rows.close()
+            raise
+        self._shared_rows = rows
+        return tier
+
+    def _unshare_rows(self) -> None:
+        if self._shared_rows is not None:
+            self._shared_rows.close()  # unmapped once the tier's view of it is gone
+            self._shared_rows = None
 
     def __repr__(self) -> str:
         return (

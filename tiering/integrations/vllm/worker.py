@@ -95,7 +95,9 @@ class TieringOffloadingWorker(OffloadingWorker):
     """vLLM's ``OffloadingWorker`` over a tiering backend and a host pool of ``num_chunks``.
 
     ``backend`` is ``"auto"`` (``cuda`` for caches on a GPU, else ``cpu``) or
-    one of `tiering.transfer.BACKEND_NAMES`.
+    one of `tiering.transfer.BACKEND_NAMES`. With ``shm_name`` the host pool is
+    the file ``/dev/shm/<shm_name>`` (made here, removed at `shutdown`), so the
+    scheduler's secondary tier can map the rows.
     """
 
     def __init__(
@@ -105,6 +107,7 @@ class TieringOffloadingWorker(OffloadingWorker):
         num_chunks: int,
         blocks_per_chunk: int,
         backend: str = "auto",
+        shm_name: str | None = None,
     ) -> None:
         if num_chunks < 1:
             raise ConfigError(f"the CPU tier must hold at least one chunk, got {num_chunks}")
@@ -115,7 +118,8 @@ class TieringOffloadingWorker(OffloadingWorker):
                 f"unknown transfer backend {backend!r}; choose auto or {', '.join(BACKEND_NAMES)}"
             )
         self.num_chunks = num_chunks
-        self.pool = HostMemoryPool(self.layout.pool_bytes(num_chunks))
+        # In /dev/shm under ``shm_name`` when the scheduler's secondary tier reads the rows.
+        self.pool = HostMemoryPool(self.layout.pool_bytes(num_chunks), shm_name=shm_name)
         try:
             # vLLM bounds the jobs itself (a load and a store per request per step) and
             # treats a refused submission as fatal, so the backend adds no cap of its own.

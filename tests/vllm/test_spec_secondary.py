@@ -1,0 +1,167 @@
+"""`TieringSpec` with tiering's Redis tier below its CPU tier, driven by vLLM's scheduler.
+
+Real bytes: vLLM's own worker connector moves them between CPU "GPU" pages and
+the worker's host pool (shared with the scheduler in /dev/shm), the link writes
+landed chunks through to a real redis-server and promotes them back, and every
+page a request starts from is checked (`FakeModel.verify`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from tiering.errors import ConfigError
+from tiering.integrations.vllm import RedisSecondaryTier
+from tiering.integrations.vllm.cascade import CascadeMetrics
+from tiering.transfer.memory import SHM_DIR
+
+from ..secondary import conftest as secondary
+from .harness import Engine, attention_spec, build_engine, tiering_extra, write_model
+
+redis_server = secondary.redis_server
+own_redis_server = secondary.own_redis_server
+
+CHUNK = attention_spec().page_size_bytes * 2  # one 16-token block, both layers
+PROMPT_A = list(range(1, 257))  # 16 blocks: half the CPU tier
+PROMPT_B = list(range(1001, 1257))
+PROMPT_C = list(range(2001, 2257))
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return write_model(tmp_path_factory.mktemp("model"))
+
+
+def entry(url: str, **options):
+    return {
+        "type": "RedisSecondaryTier",
+        "module_path": "tiering.integrations.vllm",
+        "url": url,
+        "namespace": f"test-{os.getpid()}-{id(options)}",
+        **options,
+    }
+
+
+def make_engine(model, url: str, **options) -> Engine:
+    engine = build_engine(
+        model,
+        tiering_extra(32 * CHUNK, eviction_policy="lru", secondary_tiers=[entry(url, **options)]),
+    )
+    engine.attach_model()
+    return engine
+
+
+def run(engine: Engine, prompt: list[int]) -> int:
+    """Hit tokens of one request of ``prompt`` (the GPU prefix cache dropped first)."""
+    assert engine.scheduler.reset_prefix_cache()
+    engine.model.wipe()  # the GPU lost every page: loads must bring them back
+    before = engine.hit_tokens
+    engine.add(prompt)
+    engine.run()
+    return engine.hit_tokens - before
+
+
+def test_a_prefix_evicted_from_the_cpu_tier_comes_back_from_redis_byte_for_byte(
+    model, redis_server
+):
+    engine = make_engine(model, redis_server.url)
+    link = engine.manager.link
+    try:
+        assert run(engine, PROMPT_A) == 0
+        engine.run()  # the write-through lands
+        assert link.statistics()["cascade_written"] == 16
+        assert run(engine, PROMPT_B) == 0
+        assert run(engine, PROMPT_C) == 0  # B and C take the whole CPU tier: A is in Redis only
+        assert not any(engine.manager.tier.holds(k) for k in _keys_of(engine, PROMPT_A))
+        verified = engine.model.verified_blocks
+        assert run(engine, PROMPT_A) == 256  # promoted from Redis, loaded, checked
+        assert engine.model.verified_blocks - verified == 30
+        stats = link.statistics()
+        assert stats["promoted"] == 16
+        assert stats["promote_failed"] == 0
+        assert stats["cascade_pinned"] == 0
+        assert engine.manager.tier.statistics().pinned == 0
+        assert engine.counters[CascadeMetrics.PROMOTED] == 16
+    finally:
+        engine.scheduler.shutdown()
+        engine.model.connector.shutdown()
+
+
+def test_redis_killed_mid_run_costs_only_the_hits_and_is_counted(model, own_redis_server):
+    engine = make_engine(model, own_redis_server.url, timeout_s=1.0, backoff_s=[0.01, 0.05])
+    link = engine.manager.link
+    try:
+        run(engine, PROMPT_A)
+        engine.run()
+        assert link.statistics()["cascade_written"] == 16
+        own_redis_server.kill()
+        assert run(engine, PROMPT_B) == 0  # their write-throughs fail: no crash
+        assert run(engine, PROMPT_C) == 0  # A is out of the CPU tier now
+        engine.run()
+        assert link.statistics()["cascade_failed"] == 32
+        assert run(engine, PROMPT_A) == 0  # Redis is away: A is recomputed, correctly
+        reported = engine.counters
+        # A's recomputed chunks failed too: vLLM's metrics got every failure the link saw.
+        assert reported[CascadeMetrics.FAILED] == link.statistics()["cascade_failed"] == 48
+        assert reported["vllm:kv_offload_redis_failures"] >= 1
+        assert engine.manager.tier.statistics().pinned == 0
+    finally:
+        engine.scheduler.shutdown()
+        engine.model.connector.shutdown()
+
+
+def test_the_shared_rows_go_with_the_worker(model, redis_server):
+    engine = make_engine(model, redis_server.url)
+    pool = engine.model.worker.pool  # the worker's host pool is the shared file
+    path = os.path.join(SHM_DIR, engine.model.connector.connector_worker.spec.shm_name)
+    assert os.path.exists(path)
+    run(engine, PROMPT_A)
+    spec = engine.manager.link.secondary._offloading_spec  # the scheduler's TieringSpec
+    rows = spec._shared_rows
+    assert rows is not None  # the scheduler mapped the worker's rows
+    engine.scheduler.shutdown()
+    assert rows.closed
+    engine.model.connector.shutdown()
+    assert pool.closed
+    assert not os.path.exists(path)
+
+
+@pytest.mark.parametrize(
+    ("tiers", "world_size", "message"),
+    [
+        ("redis", 2, "world size 1"),
+        ([{"type": "FileSystemTier", "module_path": "vllm"}], 1, "tiering's own tier"),
+        ("two", 1, "lists 2 tiers"),
+        ([{"type": "RedisSecondaryTier", "module_path": "tiering.integrations.vllm"}], 1, "url"),
+    ],
+)
+def test_a_secondary_tier_tieringspec_cannot_serve_is_one_config_error(
+    model, tiers, world_size, message
+):
+    from tiering.integrations.vllm.spec import _secondary_entry
+
+    good = entry("redis://127.0.0.1:1/0")
+    given = tiers if isinstance(tiers, list) else {"redis": [good], "two": [good, good]}[tiers]
+    with pytest.raises(ConfigError, match=message):
+        _secondary_entry({"secondary_tiers": given}, world_size)
+    assert RedisSecondaryTier.check_entry("RedisSecondaryTier", good) is None
+
+
+def _keys_of(engine: Engine, prompt: list[int]) -> list[bytes]:
+    """The CPU tier's keys of ``prompt``'s blocks (vLLM's own block hashes, group 0)."""
+    from vllm import SamplingParams
+    from vllm.v1.kv_offload.base import make_offload_key
+    from vllm.v1.request import Request
+
+    request = Request(
+        request_id="probe",
+        prompt_token_ids=prompt,
+        sampling_params=SamplingParams(max_tokens=1),
+        pooling_params=None,
+        block_hasher=engine.block_hasher,
+    )
+    return [make_offload_key(bytes(h), 0) for h in request.block_hashes]
