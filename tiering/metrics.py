@@ -133,7 +133,8 @@ class _Statistics(Protocol):
     def manager(self) -> ManagerStatistics: ...
 
     @property
-    def scheduler(self) -> SchedulerStatistics: ...
+    def scheduler(self) -> SchedulerStatistics | None:  # None: no transfers seen here
+        ...
 
 
 class MetricsSource(Protocol):
@@ -203,8 +204,10 @@ class MetricsCollector:
         families = _Families(self.engine_id)
         families.add_info(self._info, self._tier_bytes)
         families.add_manager(stats.manager)
-        families.add_direction("store", stats.scheduler.stores)
-        families.add_direction("load", stats.scheduler.loads)
+        scheduler = stats.scheduler
+        if scheduler is not None:  # None on vLLM's scheduler side: its workers move the bytes
+            families.add_direction("store", scheduler.stores)
+            families.add_direction("load", scheduler.loads)
         families.add_events(getattr(stats, "events", None), stats.manager)
         families.add_secondary(getattr(stats, "secondary", None))
         return iter(families.all())

@@ -218,3 +218,42 @@ def test_a_trace_through_vllms_scheduler_native_lru_and_tiering_lru_hit_alike(mo
     assert hits["native"] > 0
     assert hits["lru"] == hits["native"]
     assert hits["default"] > 1.1 * hits["native"]
+
+
+def test_metrics_port_serves_tierings_own_cpu_tier_gauges(model):
+    import urllib.error
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    engine = build_engine(model, tiering_extra(64 << 20, metrics_port=0))
+    url = engine.manager.metrics_url
+    assert url is not None
+    engine.add(PROMPT)
+    engine.run()
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    samples = {
+        (s.name, s.labels.get("tier")): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    assert samples[("tiering_chunks_capacity", "cpu")] == engine.manager.tier.capacity
+    assert samples[("tiering_chunks_used", "cpu")] == 16
+    assert samples[("tiering_chunks_pinned", "cpu")] == 0
+    engine.scheduler.shutdown()  # closes the server with the manager
+    with pytest.raises(urllib.error.URLError, match="refused"):
+        urllib.request.urlopen(url, timeout=5)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"metrics_port": 70000}, "metrics_port'] must be a port from 0 to 65535"),
+        ({"metrics_port": "9100"}, "got '9100'"),
+        ({"metrics_port": 0, "metrics_host": ""}, "metrics_host'] must be a host"),
+    ],
+)
+def test_a_bad_metrics_setting_is_one_config_error(model, extra, message):
+    with pytest.raises(ConfigError, match=message):
+        build_engine(model, tiering_extra(64 << 20, **extra))

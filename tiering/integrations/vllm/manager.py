@@ -127,6 +127,8 @@ class TieringOffloadingManager(OffloadingManager):
         #: The secondary tier below, when configured (built once the rows can be mapped).
         self.link = SecondaryLink(self._tier, secondary) if secondary is not None else None
         self._on_shutdown = on_shutdown
+        #: Where tiering's own metrics of this tier are served (``metrics_port``), if asked.
+        self.metrics_url: str | None = None
 
     @property
     def tier(self) -> CPUOffloadingManager:

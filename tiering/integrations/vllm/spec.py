@@ -26,16 +26,19 @@ one `ConfigError` naming the key):
 ``blocks_per_chunk``            tokens / GPU blocks per chunk (vLLM reads these)
 ``self_describing_kv_events``   vLLM's own: BlockStored events carry token ids
 ``offload_prompt_only``         vLLM's own: store prompt blocks only (default true)
+``secondary_tiers``             one entry: tiering's Redis tier below the CPU tier
+``metrics_port``, ``metrics_host``  tiering's own CPU-tier metrics over HTTP (scheduler)
 ==============================  ==================================================
 """
 
 from __future__ import annotations
 
 import difflib
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
@@ -52,6 +55,8 @@ from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
 from tiering.config import DEFAULT_POLICY
+from tiering.cpu.common import CPUOffloadingInfo as TieringCPUInfo
+from tiering.cpu.manager import ManagerStatistics
 from tiering.errors import ConfigError
 from tiering.integrations.vllm.cascade import CascadeMetrics
 from tiering.integrations.vllm.manager import TieringMetrics, TieringOffloadingManager
@@ -61,7 +66,12 @@ from tiering.policies import POLICY_NAMES
 from tiering.transfer import HostMemoryPool
 from tiering.transfer.memory import SHM_DIR
 
+if TYPE_CHECKING:
+    from tiering.metrics import MetricsServer
+
 __all__ = ["EXTRA_KEYS", "TieringOffloadingInfo", "TieringSpec"]
+
+logger = logging.getLogger(__name__)
 
 #: Backends a vLLM worker may use (the mock backend moves no bytes: tests only).
 _BACKENDS = ("auto", "cpu", "cuda")
@@ -75,6 +85,30 @@ class TieringOffloadingInfo(CPUOffloadingInfo):
     """vLLM's CPU-tier facts (``vllm:kv_offload_config_info``), plus the policy's name."""
 
     cpu_eviction_policy: str = DEFAULT_POLICY
+
+
+class _ManagerView(NamedTuple):
+    manager: ManagerStatistics
+    scheduler: None = None  # vLLM's workers move the bytes, in other processes
+
+
+class _MetricsView:
+    """What `tiering.metrics` reads of an engine, for the spec's CPU tier: its manager's
+    statistics (no transfer figures: vLLM's workers move the bytes, in other processes)."""
+
+    def __init__(self, spec: TieringSpec, manager: TieringOffloadingManager) -> None:
+        self.engine_id = spec.config.engine_id
+        self.info = TieringCPUInfo(
+            cpu_num_chunks=spec.info.cpu_num_chunks,
+            cpu_blocks_per_chunk=spec.info.cpu_blocks_per_chunk,
+            cpu_kv_cache_size_bytes=spec.info.cpu_kv_cache_size_bytes,
+            cpu_kv_cache_size_tokens=spec.info.cpu_kv_cache_size_tokens,
+        )
+        self.backend_name = spec.transfer_backend
+        self.manager = manager.tier
+
+    def statistics(self) -> _ManagerView:
+        return _ManagerView(manager=self.manager.statistics())
 
 
 def _secondary_entry(extra: Mapping[str, Any], world_size: int) -> dict[str, Any] | None:
@@ -236,6 +270,9 @@ class TieringSpec(OffloadingSpec):
         #: secondary tier (None: no secondary tier).
         self.shm_name = _shm_name(config) if self.secondary_tier is not None else None
         self._shared_rows: HostMemoryPool | None = None
+        #: tiering's metrics of the CPU tier, where ``metrics_port`` asks for them.
+        self.metrics_server: MetricsServer | None = None
+        self._metrics_view: _MetricsView | None = None
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
@@ -245,6 +282,7 @@ class TieringSpec(OffloadingSpec):
                     "(OffloadingConfig.worker_kv_bytes_per_block is 0), so the CPU tier "
                     "cannot be sized"
                 )
+            metrics = self._metrics_port()  # refused before anything is built
             self._manager = TieringOffloadingManager(
                 self.num_chunks,
                 self.policy,
@@ -252,8 +290,10 @@ class TieringSpec(OffloadingSpec):
                 self_describing_events=self.kv_events_config.self_describing_kv_events,
                 config_info=self.info.as_config_info(),
                 secondary=self._secondary_tier if self.secondary_tier is not None else None,
-                on_shutdown=self._unshare_rows,
+                on_shutdown=self._close_scheduler_side,
             )
+            if metrics is not None:
+                self._serve_metrics(self._manager, *metrics)
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
@@ -296,7 +336,34 @@ class TieringSpec(OffloadingSpec):
         self._shared_rows = rows
         return tier
 
-    def _unshare_rows(self) -> None:
+    def _metrics_port(self) -> tuple[str, int] | None:
+        """``metrics_port`` (and ``metrics_host``, loopback by default), checked."""
+        port = self.extra_config.get("metrics_port")
+        if port is None:
+            return None
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ConfigError(
+                f"{_where('metrics_port')} must be a port from 0 to 65535 (0: any free one), "
+                f"got {port!r}"
+            )
+        host = self.extra_config.get("metrics_host", "127.0.0.1")
+        if not isinstance(host, str) or not host:
+            raise ConfigError(f"{_where('metrics_host')} must be a host address, got {host!r}")
+        return host, port
+
+    def _serve_metrics(self, manager: TieringOffloadingManager, host: str, port: int) -> None:
+        """tiering's own occupancy gauges (its dashboards' names) on ``host:port``."""
+        from tiering.metrics import serve_metrics
+
+        self._metrics_view = _MetricsView(self, manager)
+        self.metrics_server = serve_metrics(self._metrics_view, host, port=port)
+        manager.metrics_url = f"{self.metrics_server.url}/metrics"
+        logger.info("tiering's CPU-tier metrics at %s", manager.metrics_url)
+
+    def _close_scheduler_side(self) -> None:
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+            self.metrics_server = None
         if self._shared_rows is not None:
             self._shared_rows.close()  # unmapped once the tier's view of it is gone
             self._shared_rows = None
