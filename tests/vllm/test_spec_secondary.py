@@ -91,7 +91,7 @@ def test_a_prefix_evicted_from_the_cpu_tier_comes_back_from_redis_byte_for_byte(
         engine.model.connector.shutdown()
 
 
-def test_redis_killed_mid_run_costs_only_the_hits_and_is_counted(model, own_redis_server):
+def test_redis_killed_mid_run_costs_only_the_hits_and_is_counted(model, own_redis_server, caplog):
     engine = make_engine(model, own_redis_server.url, timeout_s=1.0, backoff_s=[0.01, 0.05])
     link = engine.manager.link
     try:
@@ -107,6 +107,10 @@ def test_redis_killed_mid_run_costs_only_the_hits_and_is_counted(model, own_redi
         reported = engine.counters
         # A's recomputed chunks failed too: vLLM's metrics got every failure the link saw.
         assert reported[CascadeMetrics.FAILED] == link.statistics()["cascade_failed"] == 48
+        # ...and vLLM's log says so (once a minute at most), where an operator looks first.
+        warnings = [r.getMessage() for r in caplog.records if "not written through" in r.message]
+        assert warnings
+        assert "(0 dropped: write-throughs pinned half the CPU tier; 16 failed)" in warnings[0]
         assert reported["vllm:kv_offload_redis_failures"] >= 1
         assert engine.manager.tier.statistics().pinned == 0
     finally:

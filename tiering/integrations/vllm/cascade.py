@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
@@ -45,6 +46,9 @@ from tiering.cpu.manager import CPUOffloadingManager
 __all__ = ["CascadeMetrics", "SecondaryLink"]
 
 logger = logging.getLogger(__name__)
+
+#: Least seconds between two warnings of chunks lost to the secondary tier.
+WARN_EVERY_S = 60.0
 
 
 class CascadeMetrics:
@@ -63,6 +67,10 @@ class CascadeMetrics:
         PROMOTED: "Chunks read from the secondary tier into the CPU tier.",
         PROMOTE_FAILED: "Chunks to promote that found no CPU room or did not load.",
     }
+
+
+#: The counts `SecondaryLink` warns of: chunks the tiers did not move.
+_LOSSES = (CascadeMetrics.DROPPED, CascadeMetrics.FAILED, CascadeMetrics.PROMOTE_FAILED)
 
 
 class SecondaryLink:
@@ -87,6 +95,8 @@ class SecondaryLink:
         self._miss_once: set[OffloadKey] = set()  # no room, or did not load: recompute
         self._counts = dict.fromkeys(CascadeMetrics.DOCS, 0)
         self._reported = dict(self._counts)
+        self._warned: tuple[int, ...] = (0, 0, 0)  # the losses last logged
+        self._warned_at = -WARN_EVERY_S
 
     def _ready(self) -> SecondaryTierManager | None:
         if self.secondary is None and self._factory is not None:
@@ -240,6 +250,7 @@ class SecondaryLink:
             yield from self.secondary.take_events()
 
     def add_stats(self, stats: OffloadingConnectorStats) -> OffloadingConnectorStats:
+        self._warn_of_losses()
         for name, count in self._counts.items():
             if count - self._reported[name]:
                 stats.increase_counter(name, count - self._reported[name])
@@ -250,6 +261,23 @@ class SecondaryLink:
                 merged: OffloadingConnectorStats = stats.aggregate(theirs)
                 return merged
         return stats
+
+    def _warn_of_losses(self) -> None:
+        """Say in vLLM's log, at most once a minute, what was not written or not promoted."""
+        lost = tuple(self._counts[name] for name in _LOSSES)
+        now = time.monotonic()
+        if lost == self._warned or now < self._warned_at + WARN_EVERY_S:
+            return
+        self._warned, self._warned_at = lost, now
+        logger.warning(
+            "secondary tier: %d chunks not written through (%d dropped: write-throughs pinned "
+            "half the CPU tier; %d failed) and %d not promoted (no CPU room or not loaded), "
+            "so far; vllm:kv_offload_tiering_cascade_* counts them",
+            lost[0] + lost[1],
+            lost[0],
+            lost[1],
+            lost[2],
+        )
 
     def statistics(self) -> dict[str, int]:
         """The link's counts (chunks), and what write-throughs pin now."""
