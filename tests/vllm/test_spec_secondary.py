@@ -14,6 +14,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
 from tiering.errors import ConfigError
 from tiering.integrations.vllm import RedisSecondaryTier
 from tiering.integrations.vllm.cascade import CascadeMetrics
@@ -118,20 +120,80 @@ def test_redis_killed_mid_run_costs_only_the_hits_and_is_counted(model, own_redi
         engine.model.connector.shutdown()
 
 
-def test_the_shared_rows_go_with_the_worker(model, redis_server):
+def shared_files(engine: Engine) -> list[str]:
+    spec = engine.model.connector.connector_worker.spec
+    return [name for name in os.listdir(SHM_DIR) if name.startswith(f"{spec.shm_name}-row")]
+
+
+def test_the_shared_rows_are_unnamed_once_mapped_and_unmapped_at_shutdown(model, redis_server):
     engine = make_engine(model, redis_server.url)
     pool = engine.model.worker.pool  # the worker's host pool is the shared file
-    path = os.path.join(SHM_DIR, engine.model.connector.connector_worker.spec.shm_name)
-    assert os.path.exists(path)
+    assert len(shared_files(engine)) == 1
     run(engine, PROMPT_A)
     spec = engine.manager.link.secondary._offloading_spec  # the scheduler's TieringSpec
     rows = spec._shared_rows
-    assert rows is not None  # the scheduler mapped the worker's rows
+    assert rows is not None  # the scheduler mapped the worker's rows...
+    assert shared_files(engine) == []  # ...and removed the name: no crash leaves it behind
     engine.scheduler.shutdown()
     assert rows.closed
     engine.model.connector.shutdown()
     assert pool.closed
-    assert not os.path.exists(path)
+
+
+def test_a_file_left_by_an_earlier_engine_is_one_config_error(model, redis_server):
+    engine = build_engine(
+        model, tiering_extra(32 * CHUNK, secondary_tiers=[entry(redis_server.url)])
+    )
+    from types import SimpleNamespace
+
+    from tiering.integrations.vllm.spec import _shm_name
+
+    config = SimpleNamespace(
+        engine_id=engine.vllm_config.kv_transfer_config.engine_id,
+        parallel=SimpleNamespace(rank=0),
+    )
+    stale = os.path.join(SHM_DIR, f"{_shm_name(config)}-row16384")
+    with open(stale, "wb"):
+        pass
+    try:
+        with pytest.raises(ConfigError, match="did not stop cleanly"):
+            engine.attach_model()
+    finally:
+        os.unlink(stale)
+
+
+def test_until_vllm_reports_the_reset_flushed_nothing_is_promoted_or_written(model, redis_server):
+    engine = make_engine(model, redis_server.url)
+    link = engine.manager.link
+    try:
+        run(engine, PROMPT_A)
+        engine.run()
+        assert link.statistics()["cascade_written"] == 16
+        key = _keys_of(engine, PROMPT_A)[0]
+        context = ReqContext(req_id="probe")
+        engine.manager.reset_cache()  # as vLLM resets it; its workers may still copy
+        assert link.lookup(key, context) is LookupResult.MISS  # Redis has it: not now
+        dropped = link.statistics()["cascade_dropped"]
+        link.landed([key], context)
+        assert link.statistics()["cascade_dropped"] == dropped + 1
+        engine.manager.on_reset_flushed()
+        assert link.lookup(key, context) is LookupResult.RETRY  # asking Redis again
+    finally:
+        engine.scheduler.shutdown()
+        engine.model.connector.shutdown()
+
+
+def test_a_tier_that_cannot_be_built_mid_serving_leaves_the_cpu_tier_serving(model, caplog):
+    dead = "redis://127.0.0.1:1/0"
+    engine = make_engine(model, dead, connect_on_start=True, connect_timeout_s=0.5)
+    try:
+        assert run(engine, PROMPT_A) == 0
+        assert run(engine, PROMPT_A) == 256  # from the CPU tier, as without a secondary
+        assert engine.manager.link.unavailable
+        assert any("cannot be built" in r.getMessage() for r in caplog.records)
+    finally:
+        engine.scheduler.shutdown()
+        engine.model.connector.shutdown()
 
 
 @pytest.mark.parametrize(

@@ -16,9 +16,12 @@ so the tiering manager is never entered from another thread:
   the step (`on_schedule_end`) fresh CPU slots are allocated for the step's
   promotions (the chunks are being written meanwhile: lookups say pending,
   nothing evicts them) and read by a load job. A chunk that found no room, or
-  did not load, is answered ``MISS`` once, so vLLM recomputes it.
+  did not load, is answered ``MISS`` for the next step, so vLLM recomputes it.
 - **Resets.** `reset` waits for the tier's jobs in flight (each ends within
-  its timeout): their rows are about to be handed out again.
+  its timeout): their rows are about to be handed out again. Until vLLM's
+  workers have reported the jobs flushed by the reset (``on_reset_flushed``), a
+  late copy of theirs may still write a freed row, so nothing is promoted
+  (lookups miss) and nothing is written through (counted as dropped).
 
 The CPU tier's rows are host memory the worker shares with the scheduler
 (`tiering.transfer.HostMemoryPool` in ``/dev/shm``); ``tier_factory`` builds
@@ -93,6 +96,11 @@ class SecondaryLink:
         self._promoting: set[OffloadKey] = set()  # queued or being read
         self._queued: dict[OffloadKey, ReqContext] = {}  # to promote at the step's end
         self._miss_once: set[OffloadKey] = set()  # no room, or did not load: recompute
+        # From a reset until vLLM says its flushed jobs ended (`on_reset_flushed`), a
+        # worker may still write freed slots: nothing is promoted or written through.
+        self._fenced = False
+        #: Whether building the tier failed (logged; the CPU tier goes on alone).
+        self.unavailable = False
         self._counts = dict.fromkeys(CascadeMetrics.DOCS, 0)
         self._reported = dict(self._counts)
         self._warned: tuple[int, ...] = (0, 0, 0)  # the losses last logged
@@ -100,7 +108,14 @@ class SecondaryLink:
 
     def _ready(self) -> SecondaryTierManager | None:
         if self.secondary is None and self._factory is not None:
-            self.secondary = self._factory()
+            try:
+                self.secondary = self._factory()
+            except Exception:
+                # Mid-serving, in a vLLM call: the engine goes on without the tier.
+                logger.exception("secondary tier: cannot be built; going on without it")
+                self._factory = None
+                self.unavailable = True
+                return None
             if self.secondary is not None:
                 self._factory = None
         return self.secondary
@@ -109,8 +124,7 @@ class SecondaryLink:
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         """The answer for a chunk the CPU tier misses."""
-        if key in self._miss_once:
-            self._miss_once.discard(key)
+        if self._fenced or key in self._miss_once:
             return LookupResult.MISS
         if key in self._promoting:
             return LookupResult.RETRY
@@ -128,6 +142,9 @@ class SecondaryLink:
         """``keys`` became ready in the CPU tier: write them through."""
         secondary = self._ready()
         if secondary is None or not keys:
+            return
+        if self._fenced:  # a late copy of a flushed job may still overwrite these rows
+            self._counts[CascadeMetrics.DROPPED] += len(keys)
             return
         room = self._max_pinned - self._pinned
         if room < len(keys):  # the head of the prefix first: it is the most shared
@@ -153,6 +170,7 @@ class SecondaryLink:
         secondary = self.secondary
         if secondary is None:
             return
+        self._miss_once.clear()  # answered MISS for one step: vLLM has recomputed them
         self.collect()
         by_request: dict[int, tuple[ReqContext, list[OffloadKey]]] = {}
         for key, req_context in self._queued.items():
@@ -236,6 +254,11 @@ class SecondaryLink:
         self._promoting.clear()
         self._queued.clear()
         self._miss_once.clear()
+        self._fenced = True
+
+    def on_reset_flushed(self) -> None:
+        """vLLM's workers reported every job in flight at the reset: rows are ours again."""
+        self._fenced = False
 
     def on_new_request(self, req_context: ReqContext) -> None:
         if self.secondary is not None:

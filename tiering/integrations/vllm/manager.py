@@ -79,7 +79,7 @@ class TieringMetrics:
 
     EVICTIONS = "vllm:kv_offload_tiering_cpu_evictions"
     ALLOCATION_FAILURES = "vllm:kv_offload_tiering_cpu_allocation_failures"
-    STORE_FAILURES = "vllm:kv_offload_tiering_cpu_store_failures"
+    STORE_FAILURES = "vllm:kv_offload_tiering_cpu_store_failures"  # a worker's or a promotion's
 
 
 @dataclass(slots=True)
@@ -156,6 +156,8 @@ class TieringOffloadingManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
+        if self.link is not None:  # whatever this manager's own state says of the request
+            self.link.on_request_finished(req_context)
         state = req_context.get_state(_RequestKeys)
         if (
             state is None
@@ -165,8 +167,6 @@ class TieringOffloadingManager(OffloadingManager):
         ):
             return
         state.finished = True
-        if self.link is not None:
-            self.link.on_request_finished(req_context)
         keys = list(state.keys)
         if not keys:
             return
@@ -256,6 +256,10 @@ class TieringOffloadingManager(OffloadingManager):
             self.link.reset()  # no job of the secondary tier uses the rows any more
         self._tier.reset(force=True)
         self._generation += 1
+
+    def on_reset_flushed(self) -> None:
+        if self.link is not None:
+            self.link.on_reset_flushed()
 
     # -- what vLLM reads --------------------------------------------------------
 

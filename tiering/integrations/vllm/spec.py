@@ -33,6 +33,7 @@ one `ConfigError` naming the key):
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import logging
 import os
@@ -206,7 +207,10 @@ class TieringSpec(OffloadingSpec):
             )
         )
         definitions[TieringMetrics.STORE_FAILURES] = OffloadingCounterMetadata(
-            documentation="Chunks whose store failed on a worker (their slots were freed)."
+            documentation=(
+                "Chunks whose store failed: a worker's copy, or a promotion's read from the "
+                "secondary tier (their slots were freed)."
+            )
         )
         if extra_config.get("secondary_tiers"):
             for name, text in CascadeMetrics.DOCS.items():
@@ -312,18 +316,24 @@ class TieringSpec(OffloadingSpec):
         """The secondary tier over the worker's rows, once the worker has shared them."""
         if self.secondary_tier is None or self.shm_name is None:
             return None
-        path = os.path.join(SHM_DIR, self.shm_name)
-        try:
-            size = os.stat(path).st_size
-        except FileNotFoundError:
+        # The worker names the file after its row size (the scheduler has no layout).
+        prefix = f"{self.shm_name}-row"
+        found = sorted(name for name in os.listdir(SHM_DIR) if name.startswith(prefix))
+        if not found:
             return None  # the worker has not registered its KV caches yet
-        if size % self.num_chunks:
+        if len(found) > 1:
             raise ConfigError(
-                f"{path} holds {size} bytes, not a whole number of the CPU tier's "
-                f"{self.num_chunks} rows: another engine's file under this engine id?"
+                f"{SHM_DIR} holds {len(found)} CPU tiers of this engine ({', '.join(found)}): "
+                "files of an earlier engine with the same engine_id; remove them"
             )
-        rows = HostMemoryPool(size, shm_name=self.shm_name, create=False)
-        table = rows.tensor.view(self.num_chunks, size // self.num_chunks).numpy()
+        name = found[0]
+        row_bytes = int(name.removeprefix(prefix))
+        size = self.num_chunks * row_bytes
+        rows = HostMemoryPool(size, shm_name=name, create=False)
+        # Both sides keep their mappings; the name goes now, so no crash can leave it behind.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(SHM_DIR, name))
+        table = rows.tensor.view(self.num_chunks, row_bytes).numpy()
         view = memoryview(table)  # type: ignore[arg-type]  # numpy arrays are buffers
         try:
             tier: SecondaryTierManager = SecondaryTierFactory.create_secondary_tier(

@@ -41,6 +41,7 @@ from tiering.transfer import (
     create_backend,
     default_backend_name,
 )
+from tiering.transfer.memory import SHM_DIR
 
 __all__ = ["TieringOffloadingWorker", "layout_of"]
 
@@ -96,8 +97,9 @@ class TieringOffloadingWorker(OffloadingWorker):
 
     ``backend`` is ``"auto"`` (``cuda`` for caches on a GPU, else ``cpu``) or
     one of `tiering.transfer.BACKEND_NAMES`. With ``shm_name`` the host pool is
-    the file ``/dev/shm/<shm_name>`` (made here, removed at `shutdown`), so the
-    scheduler's secondary tier can map the rows.
+    the file ``/dev/shm/<shm_name>-row<row bytes>`` (made here; the scheduler's
+    secondary tier maps it and removes the name, or `shutdown` does), so the
+    scheduler can read the rows.
     """
 
     def __init__(
@@ -118,8 +120,17 @@ class TieringOffloadingWorker(OffloadingWorker):
                 f"unknown transfer backend {backend!r}; choose auto or {', '.join(BACKEND_NAMES)}"
             )
         self.num_chunks = num_chunks
-        # In /dev/shm under ``shm_name`` when the scheduler's secondary tier reads the rows.
-        self.pool = HostMemoryPool(self.layout.pool_bytes(num_chunks), shm_name=shm_name)
+        # In /dev/shm when the scheduler's secondary tier reads the rows, named after the
+        # row size (the scheduler, without the layout, reads it there).
+        shared = f"{shm_name}-row{self.layout.row_bytes}" if shm_name is not None else None
+        try:
+            self.pool = HostMemoryPool(self.layout.pool_bytes(num_chunks), shm_name=shared)
+        except FileExistsError:
+            raise ConfigError(
+                f"{SHM_DIR}/{shared} exists: the CPU tier of an earlier engine with this "
+                "engine_id (kv_transfer_config.engine_id) that did not stop cleanly; remove "
+                "the file, or give this engine another engine_id"
+            ) from None
         try:
             # vLLM bounds the jobs itself (a load and a store per request per step) and
             # treats a refused submission as fatal, so the backend adds no cap of its own.
