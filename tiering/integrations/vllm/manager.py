@@ -174,7 +174,7 @@ class TieringOffloadingManager(OffloadingManager):
         if None not in positions:
             order = sorted(range(len(keys)), key=positions.__getitem__)  # stable: group order
             keys = [keys[i] for i in order]
-        # Keys the tier no longer holds are skipped by the policy's touch.
+        # Only what the tier still holds: the policy reads the last key as the request's tail.
         self._tier.touch([key for key in keys if self._tier.holds(key)])
 
     # -- the tier ---------------------------------------------------------------
@@ -313,12 +313,3 @@ class TieringOffloadingManager(OffloadingManager):
 
     def __repr__(self) -> str:
         return f"<TieringOffloadingManager {self._tier!r}>"
-
-
-def metric_names() -> tuple[str, ...]:
-    """The counters `TieringOffloadingManager.get_stats` reports besides vLLM's CPU-tier set."""
-    return (
-        TieringMetrics.EVICTIONS,
-        TieringMetrics.ALLOCATION_FAILURES,
-        TieringMetrics.STORE_FAILURES,
-    )
