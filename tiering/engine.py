@@ -115,7 +115,9 @@ class EngineStatistics(msgspec.Struct, frozen=True, kw_only=True):
     backend: BackendStatistics | None
     pool: PoolStatistics | None
     events: EventStatistics | None = None  # None unless enable_kv_cache_events
-    secondary: SecondaryTierStatistics | None = None  # None without a secondary tier
+    secondary: SecondaryTierStatistics | None = None  # the first tier below; None without
+    #: Every tier below the CPU tier, in chain order (``secondary`` is the first).
+    tiers: tuple[SecondaryTierStatistics, ...] = ()
 
 
 def kv_cache_tensors(
@@ -556,6 +558,7 @@ class TieringEngine:
             pool=self._pool.statistics(resident=False) if self._pool is not None else None,
             events=self._events.statistics() if self._events is not None else None,
             secondary=self._secondary.statistics() if self._secondary is not None else None,
+            tiers=(self._secondary.statistics(),) if self._secondary is not None else (),
         )
 
     def __repr__(self) -> str:

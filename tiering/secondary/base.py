@@ -131,6 +131,12 @@ class SecondaryStatistics(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     write_errors_by_reason: dict[str, int] = msgspec.field(default_factory=dict)
     last_refusal: str | None = None
     write_state: str = "up"  # "up", or "backing off" after the store refused writes
+    #: What a tier that manages its own capacity (the disk tier) holds; None for a
+    #: store that does not say (Redis evicts by its own policy).
+    capacity_bytes: int | None = None
+    used_bytes: int | None = None
+    chunks: int | None = None
+    evictions_total: int = 0
 
 
 #: Why chunks handed to `SecondaryTier.write` were not written (see `SecondaryStatistics`).
@@ -264,12 +270,16 @@ class SecondaryTier(AsyncResource):
     """A store of chunk rows below the CPU tier. Use from one event loop (asyncio or trio).
 
     Also an async context manager that calls `aclose` on exit. Attributes:
-    ``name`` (``"redis"``, ``"memory"``), ``medium`` and ``locality`` (what KV
+    ``name`` (``"redis"``, ``"memory"``, ``"disk"``), ``label`` (its place in a
+    chain of tiers: ``"disk"``, ``"remote"``), ``medium`` and ``locality`` (what KV
     events say about chunks this tier holds), ``codec`` (the namespace, remote
     keys and value format) and ``row_bytes`` (the size of every payload).
     """
 
     name: str
+    #: What the tier is in a chain of tiers, and its ``tier`` label in metrics, hit
+    #: attribution and dashboards: ``"disk"``, ``"remote"`` (unique in a chain).
+    label: str = "remote"
     medium: Medium = Medium.STORAGE
     locality: Locality = Locality.REMOTE
     codec: ChunkCodec

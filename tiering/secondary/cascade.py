@@ -82,6 +82,7 @@ class SecondaryTierStatistics(msgspec.Struct, frozen=True, kw_only=True):
     """
 
     tier: SecondaryStatistics
+    label: str  # the tier's label (``disk``, ``remote``): its ``tier`` in metrics
     cascade_queued: int
     cascade_written: int
     cascade_dropped: int
@@ -355,6 +356,7 @@ class SecondaryCascade:
     def statistics(self) -> SecondaryTierStatistics:
         return SecondaryTierStatistics(
             tier=self.tier.statistics(),
+            label=self.tier.label,
             cascade_queued=self._queued,
             cascade_written=self._written,
             cascade_dropped=self._dropped,
