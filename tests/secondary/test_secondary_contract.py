@@ -11,7 +11,10 @@ To add a tier: write its rig fixture below and add its name to `TIERS`.
 from __future__ import annotations
 
 import abc
+import errno
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -29,13 +32,18 @@ from ..conftest import turns_during as _turns_during
 pytestmark = pytest.mark.anyio
 
 #: Every tier the contract runs on: a rig fixture named ``<name>_rig`` each.
-TIERS = ["memory", "redis"]
+TIERS = ["memory", "redis", "disk"]
 
 
 class Rig(abc.ABC):
     """A tier under test and the store behind it."""
 
     tier: SecondaryTier
+    #: The code a refused write is counted under (``OOM``: a full Redis; ``ENOSPC``: a full disk).
+    refusal_code = "OOM"
+
+    async def ready(self) -> None:
+        """Called once the tier is entered, before the test."""
 
     @abc.abstractmethod
     def put_raw(self, key: OffloadKey, value: bytes) -> None:
@@ -136,6 +144,78 @@ class RedisRig(Rig):
         self._due()
 
 
+class _FullDisk:
+    """The `os` calls of a disk tier, with a disk that is full: every write is ENOSPC."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(os, name)
+
+    def pwritev(self, *args: Any) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+class DiskRig(Rig):
+    """A `DiskTier` in a folder of the test's own, to take away, freeze and fill."""
+
+    refusal_code = "ENOSPC"
+
+    async def ready(self) -> None:
+        await self.tier.open()  # the scan, before values are put behind the tier's back
+
+    def __init__(self, root: Path, namespace: RemoteNamespace) -> None:
+        from tiering.secondary.disk import DiskTier
+
+        self.root = root
+        self.away = root.with_name(root.name + "-away")
+        # Backoff far beyond any test: only `_due` makes the tier try the disk again.
+        self.tier: DiskTier = DiskTier(
+            root, 64 << 20, namespace, timeout_s=0.25, backoff_s=(60.0, 60.0)
+        )
+
+    def _due(self) -> None:
+        self.tier._health.retry_at = 0.0  # white box: the retry time has come
+        self.tier._write_gate.retry_at = 0.0
+
+    def put_raw(self, key: OffloadKey, value: bytes) -> None:
+        from tiering.secondary.disk.files import file_bytes
+
+        tier = self.tier
+        path = tier._files.path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = file_bytes(tier.codec, key, value)
+        path.write_bytes(data)
+        # White box: the index learns of it as an open would (without its checks).
+        tier._sizes[key] = len(data)
+        tier._used += len(data)
+        tier.policy.insert([key])
+
+    async def go_down(self) -> None:
+        self.root.rename(self.away)
+
+    async def come_back(self) -> None:
+        self.away.rename(self.root)
+        self._due()
+
+    def hang(self) -> None:
+        self.tier._files.answering.clear()
+
+    def unhang(self) -> None:
+        self.tier._files.answering.set()
+        self._due()
+
+    def refuse_writes(self) -> None:
+        self.tier._files.os = _FullDisk()
+
+    def accept_writes(self) -> None:
+        self.tier._files.os = os
+        self._due()
+
+
+@pytest.fixture
+def disk_rig(tmp_path: Path, namespace: RemoteNamespace) -> DiskRig:
+    return DiskRig(tmp_path / "disk", namespace)
+
+
 @pytest.fixture
 def memory_rig(namespace: RemoteNamespace) -> MemoryRig:
     return MemoryRig(namespace)
@@ -150,6 +230,7 @@ def redis_rig(own_redis_server: Any, namespace: RemoteNamespace) -> RedisRig:
 async def rig(request: pytest.FixtureRequest) -> AsyncIterator[Rig]:
     made: Rig = request.getfixturevalue(f"{request.param}_rig")
     async with made.tier:
+        await made.ready()
         yield made
 
 
@@ -213,7 +294,7 @@ async def test_statistics_are_snapshots_and_cost_no_io(rig: Rig, chunks: Any) ->
     first = rig.tier.statistics()
     assert rig.tier.statistics() == first  # no I/O, nothing counted
     assert await rig.tier.contains(keys) == [True, True]
-    assert first.refused_by_reason == {"OOM": 2}
+    assert first.refused_by_reason == {rig.refusal_code: 2}
     assert first.contains_calls == 0  # a snapshot: later calls do not change it
 
 
@@ -409,8 +490,9 @@ async def test_refused_writes_are_counted_once_by_code_and_the_tier_stays_up(
     rig.refuse_writes()
     assert await tier.write(items(keys[2:], rows[2:])) == 0
     s = tier.statistics()
-    assert (s.refused_total, s.refused_by_reason) == (3, {"OOM": 3})
-    assert s.write_errors_by_reason == {"refused OOM": 3}
+    code = rig.refusal_code
+    assert (s.refused_total, s.refused_by_reason) == (3, {code: 3})
+    assert s.write_errors_by_reason == {f"refused {code}": 3}
     assert (s.errors_total, s.state) == (0, "up")  # a refusal is no failed call
     assert s.last_refusal is not None
     # Lookups and reads go on.
@@ -453,7 +535,7 @@ async def test_every_chunk_not_written_is_counted_once_by_reason(rig: Rig, chunk
     assert written == s.writes_total == 5
     assert s.write_errors_total == offered - written == sum(s.write_errors_by_reason.values())
     by_reason = dict(s.write_errors_by_reason)
-    assert by_reason.pop("refused OOM") == 2
+    assert by_reason.pop(f"refused {rig.refusal_code}") == 2
     assert by_reason.pop("cancelled") == 3
     assert by_reason.pop("timeout") == 1
     assert set(by_reason) <= {"down", "failed"}

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import abc
 import enum
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -52,6 +53,8 @@ from tiering._types import Medium, OffloadKey
 from tiering.secondary.codec import ChunkCodec, RemoteNamespace, Verdict
 
 __all__ = [
+    "Abandoned",
+    "Guard",
     "Locality",
     "ReadItem",
     "SecondaryStatistics",
@@ -137,6 +140,8 @@ class SecondaryStatistics(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     used_bytes: int | None = None
     chunks: int | None = None
     evictions_total: int = 0
+    #: Values the tier had and found gone (deleted or lost behind its back): misses.
+    lost_total: int = 0
 
 
 #: Why chunks handed to `SecondaryTier.write` were not written (see `SecondaryStatistics`).
@@ -325,6 +330,30 @@ class SecondaryTier(AsyncResource):
     @abc.abstractmethod
     async def aclose(self) -> None:
         """Release connections and buffers; idempotent. Later calls raise `ResourceClosedError`."""
+
+
+class Guard:
+    """Who may touch a call's buffers: its worker thread, until the call is abandoned.
+
+    A tier whose I/O runs in worker threads touches the caller's buffers only
+    while holding ``lock`` and seeing ``abandoned`` false; the event loop calls
+    `abandon` when the call times out or is cancelled, and from then on no byte
+    of the caller's buffers is touched.
+    """
+
+    __slots__ = ("abandoned", "lock")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.abandoned = False
+
+    def abandon(self) -> None:
+        with self.lock:  # waits for at most one piece of a row being copied
+            self.abandoned = True
+
+
+class Abandoned(Exception):
+    """The call was abandoned (timed out or cancelled): stop, touch no buffer."""
 
 
 def describe(exc: BaseException, limit: int = 200) -> str:

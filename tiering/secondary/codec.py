@@ -342,6 +342,22 @@ class ChunkCodec:
         return _KINDS[kind], expected
 
     @staticmethod
+    def peek_key_bytes(head: memoryview) -> int | None:
+        """How many bytes of a value's head hold its header and key; None: not a value
+        of this format (its magic is wrong, or its header is cut short)."""
+        if head.nbytes < _HEADER.size or head[: len(MAGIC)] != MAGIC:
+            return None
+        return _HEADER.size + int(_HEADER.unpack_from(head)[3])
+
+    @classmethod
+    def peek_key(cls, head: memoryview) -> OffloadKey | None:
+        """The chunk key a value's head names, unchecked (None: not there whole)."""
+        end = cls.peek_key_bytes(head)
+        if end is None or head.nbytes < end:
+            return None
+        return OffloadKey(bytes(head[_HEADER.size : end]))
+
+    @staticmethod
     def check_payload(kind: Checksum, expected: int, payload: memoryview) -> Verdict:
         """`OK` when ``payload`` has the checksum its header (`check_head`) gave."""
         return Verdict.OK if checksum(kind, payload) == expected else Verdict.BAD_CHECKSUM

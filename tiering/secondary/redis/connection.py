@@ -31,6 +31,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any, NoReturn
 
+from tiering.secondary.base import Abandoned, Guard
 from tiering.secondary.redis.address import RedisAddress
 from tiering.secondary.redis.failures import error_from_reply, errors
 from tiering.secondary.redis.resp import (
@@ -49,24 +50,6 @@ logger = logging.getLogger(__name__)
 
 #: Most bytes of a caller's row handed to the kernel, or taken from it, at once (under the guard).
 PIECE = 1 << 20
-
-
-class Guard:
-    """Who may touch the caller's buffers: the worker thread, until the call is abandoned."""
-
-    __slots__ = ("abandoned", "lock")
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.abandoned = False
-
-    def abandon(self) -> None:
-        with self.lock:  # waits for at most one piece of a row being copied
-            self.abandoned = True
-
-
-class Abandoned(Exception):
-    """The call was abandoned (timed out or cancelled): stop, touch no buffer."""
 
 
 class Connection:

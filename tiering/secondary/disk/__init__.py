@@ -1,0 +1,657 @@
+"""`DiskTier`: a persistent local-disk tier that manages its own capacity and survives restarts.
+
+A `SecondaryTier` over one folder of a local file system (an NVMe, say): one
+file per chunk, self-checking as Redis values are (`tiering.secondary.codec`:
+format, namespace, key, length, checksum), in the layout `files` describes.
+
+Design note:
+
+- **Capacity.** The tier never holds more than ``capacity_bytes`` of value
+  files. Its index (what it holds, and the policy's order) lives in memory, on
+  the event loop; a write that needs room evicts by a `tiering.policies`
+  policy first (the engine's default unless told), tail before head as in the
+  CPU tier, and deletes the victims' files before it writes.
+- **Restarts.** Opening (`open`, or the first call) rebuilds the index from a
+  scan of the files' heads, oldest use first (a read sets a file's time):
+  every value a previous process wrote is found, whole; half-written ones
+  (temporary names) and ones that fail a check are deleted and counted
+  (`open_report`). The payload's checksum is checked at each read, not at the
+  scan: the scan reads 4 KiB a value (measured in ``bench/disk.py``), and a
+  value that rots later is caught where it matters. An index file was not
+  kept: it would have to be checked against the files anyway.
+- **Crash safety.** A value is written under a temporary name and renamed
+  into place: it is visible whole or not at all. ``fsync`` says what survives
+  a power loss (`files.FSYNC_POLICIES`); a value whose data did not reach the
+  disk fails its length or checksum and is never loaded.
+- **One owner.** The folder is locked (``flock``) by the process that opens it;
+  another gets a `ConfigError` naming the holder, unless it opens read-only
+  (no lock, no writes, nothing deleted).
+- **I/O off the event loop.** Every call is one job in a worker thread (at most
+  ``max_concurrency`` at once; a call that finds none free within its timeout
+  is *busy*). Reads land straight in the caller's row (``preadv`` after the
+  head was checked); with ``O_DIRECT`` (probed at open) an aligned row moves
+  between memory and disk with no copy. Buffers are touched only under the
+  call's `Guard`, so a call that times out or is cancelled has its buffers back
+  at once (an abandon waits for at most one row's read or write in progress).
+- **Faults.** A full disk (``ENOSPC``, ``EDQUOT``), a read-only or forbidden
+  folder (``EROFS``, ``EACCES``, ``EPERM``) refuse writes (counted by code; writes
+  back off, reads go on); a value deleted or truncated behind the tier's back
+  is a counted miss (``lost_total``, a rejection) and leaves the index; the
+  folder removed (or replaced) takes the tier down: calls are misses without
+  I/O until the retry time, when the folder is made again and the index
+  rebuilt from what is in it. Nothing wrong is ever loaded.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import math
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import anyio
+import anyio.lowlevel
+import anyio.to_thread
+
+from tiering._types import Medium, OffloadKey
+from tiering.config import DEFAULT_POLICY
+from tiering.errors import ConfigError, ResourceClosedError, SpecError
+from tiering.policies import CachePolicy, create_policy
+from tiering.secondary.base import (
+    UNWRITTEN_BACKING_OFF,
+    UNWRITTEN_BUSY,
+    UNWRITTEN_CANCELLED,
+    UNWRITTEN_DOWN,
+    UNWRITTEN_FAILED,
+    UNWRITTEN_TIMEOUT,
+    Guard,
+    Locality,
+    ReadItem,
+    SecondaryStatistics,
+    SecondaryTier,
+    TierCounters,
+    WriteItem,
+    describe,
+)
+from tiering.secondary.checksum import Checksum
+from tiering.secondary.codec import ChunkCodec, RemoteNamespace, writable_row
+from tiering.secondary.disk.files import (
+    FSYNC_POLICIES,
+    FULL_ERRNOS,
+    DirectoryGone,
+    DiskFiles,
+    ReadOutcome,
+    ScanResult,
+    WriteOutcome,
+    head_bytes,
+)
+from tiering.secondary.health import Admission, HealthGate, TierState
+
+__all__ = ["FSYNC_POLICIES", "DiskTier", "ScanResult"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Why chunks were not written, beyond the contract's causes.
+UNWRITTEN_NO_ROOM = "no room"  # every value the tier holds is being read or written
+UNWRITTEN_READ_ONLY = "read only"
+
+#: Errors that refuse writes (counted by code, writes back off) rather than fail the tier.
+_REFUSALS = FULL_ERRNOS | {errno.EACCES, errno.EPERM}
+
+
+class DiskTier(SecondaryTier):
+    """A `SecondaryTier` of value files in the folder ``path``, at most ``capacity_bytes``.
+
+    ``namespace`` is the engine's (`RemoteNamespace.from_config`); values of
+    other namespaces in the same folder are left alone. ``policy`` orders
+    evictions (a name or a `CachePolicy`). ``fsync``: ``none``, ``data`` or
+    ``full`` (see `files.FSYNC_POLICIES`). ``direct_io``: ``None`` uses
+    ``O_DIRECT`` where the file system takes it (probed at open), ``True``
+    requires it, ``False`` never uses it. ``read_only`` opens without the lock
+    and never writes or deletes. ``timeout_s`` bounds each call;
+    ``max_concurrency`` worker threads do the I/O; ``backoff_s`` is the retry
+    delay while the folder is gone or writes are refused.
+
+    Constructing takes the folder's lock (a `ConfigError` if another process
+    holds it) and does no other I/O; `open` (or the first call) scans it.
+    """
+
+    name = "disk"
+    label = "disk"
+    medium = Medium.STORAGE
+    locality = Locality.LOCAL
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        capacity_bytes: int,
+        namespace: RemoteNamespace,
+        *,
+        policy: str | CachePolicy = DEFAULT_POLICY,
+        fsync: str = "none",
+        direct_io: bool | None = None,
+        read_only: bool = False,
+        timeout_s: float = 5.0,
+        max_concurrency: int = 4,
+        backoff_s: tuple[float, float] = (0.05, 5.0),
+        touch_reads: bool = True,
+        checksum: Checksum = Checksum.XXH3,
+    ) -> None:
+        if fsync not in FSYNC_POLICIES:
+            raise ConfigError(f"fsync must be one of {', '.join(FSYNC_POLICIES)}, got {fsync!r}")
+        if not timeout_s > 0:
+            raise ConfigError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        threads = max_concurrency
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ConfigError(f"max_concurrency must be a positive integer, got {threads!r}")
+        self.codec = ChunkCodec(namespace, checksum)
+        value = self.codec.row_bytes + head_bytes(self.codec, OffloadKey(bytes(16)))
+        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
+            raise ConfigError(f"capacity_bytes must be an integer, got {capacity_bytes!r}")
+        if capacity_bytes < value:
+            raise ConfigError(
+                f"capacity_bytes={capacity_bytes:,} holds no value: one chunk takes "
+                f"{value:,} bytes on disk (its row and a 4 KiB head); give at least that"
+            )
+        self.path = Path(path)
+        if self.path.exists() and not self.path.is_dir():
+            raise ConfigError(f"the disk tier folder {self.path} is a file, not a folder")
+        self.capacity_bytes = capacity_bytes
+        self.read_only = read_only
+        self.timeout_s = timeout_s
+        self.max_concurrency = max_concurrency
+        self.touch_reads = touch_reads
+        self._direct_asked = direct_io
+        #: Whether values move with ``O_DIRECT`` (known once open).
+        self.direct_io = False
+        chunks = max(1, capacity_bytes // value)
+        self.policy = create_policy(policy, chunks) if isinstance(policy, str) else policy
+        self._files = DiskFiles(
+            self.path, self.codec, fsync=fsync, direct=False, read_only=read_only
+        )
+        if not read_only:
+            self._files.lock()
+        self._health = HealthGate(backoff_s)
+        self._write_gate = HealthGate(backoff_s)  # refused writes back off on their own
+        self._counters = TierCounters()
+        self._closed = False
+        self._opened = False
+        self._open_lock: anyio.Lock | None = None
+        self._slots: anyio.CapacityLimiter | None = None
+        self._threads: anyio.CapacityLimiter | None = None
+        self._idle: anyio.Event | None = None
+        self._in_flight = 0
+        #: What the last scan found (None until open).
+        self.open_report: ScanResult | None = None
+        # The index, on the event loop only.
+        self._sizes: dict[OffloadKey, int] = {}  # value file bytes, by key
+        self._used = 0
+        self._reserved = 0  # bytes of new values being written
+        self._reading: dict[OffloadKey, int] = {}  # reads in flight, by key
+        self._writing: dict[OffloadKey, int] = {}  # writes in flight, by key
+        self._unlinking: set[OffloadKey] = set()  # victims an unfinished call may delete
+        self._trash: list[OffloadKey] = []  # victims still on disk: the next write deletes them
+        self._evictions = 0
+        self._lost = 0
+
+    # -- life -------------------------------------------------------------------------
+
+    @property
+    def state(self) -> TierState:
+        return TierState.CLOSED if self._closed else self._health.state
+
+    async def open(self) -> ScanResult:
+        """Scan the folder and build the index (once; later calls return the same report)."""
+        self._check_open()
+        if self._open_lock is None:
+            self._open_lock = anyio.Lock()
+        async with self._open_lock:
+            if self.open_report is None:
+                report = await anyio.to_thread.run_sync(self._open_folder)
+                await self._adopt(report)
+            else:
+                await anyio.lowlevel.checkpoint()
+        assert self.open_report is not None
+        return self.open_report
+
+    def _open_folder(self) -> ScanResult:
+        """In a thread: make the folder, probe ``O_DIRECT``, scan."""
+        files = self._files
+        try:
+            files.make_folder()
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot open the disk tier folder {files.folder}: {exc.strerror or exc}"
+            ) from None
+        if self._direct_asked is not False:
+            supported = files.probe_direct()
+            if self._direct_asked and not supported:
+                raise ConfigError(
+                    f"direct_io=True, but the file system of {self.path} does not take "
+                    "O_DIRECT; pass direct_io=None (use it where supported) or False"
+                )
+            files.direct = self.direct_io = supported
+        return files.scan()
+
+    async def _adopt(self, report: ScanResult) -> None:
+        """Index what a scan found (oldest first), then trim to capacity."""
+        self._sizes.clear()
+        self.policy.clear()
+        self._used = 0
+        for key, size, _ in report.values:
+            self._sizes[key] = size
+            self._used += size
+            self.policy.insert([key])
+        self._opened = True
+        self.open_report = report
+        victims = self._evict(self._used - self.capacity_bytes, protected=())
+        if victims and not self.read_only:
+            await anyio.to_thread.run_sync(self._files.remove, victims)
+        if report.dropped:
+            logger.warning(
+                "disk tier %s: dropped at open: %s",
+                self.path,
+                ", ".join(f"{n:,} {why}" for why, n in report.dropped.items()),
+            )
+
+    async def aclose(self) -> None:
+        """Wait (at most ``timeout_s``) for calls in flight, release the folder. Idempotent."""
+        if self._closed:
+            await anyio.lowlevel.checkpoint()
+            return
+        self._closed = True
+        self._health.close()
+        self._write_gate.close()
+        if self._in_flight:
+            self._idle = self._idle or anyio.Event()
+            with anyio.move_on_after(self.timeout_s), anyio.CancelScope(shield=True):
+                await self._idle.wait()
+        else:
+            await anyio.lowlevel.checkpoint()
+        self._files.unlock()
+
+    # -- the contract ---------------------------------------------------------------------
+
+    async def contains(self, keys: Sequence[OffloadKey]) -> list[bool]:
+        self._check_open()
+        c = self._counters
+        c.contains_calls += 1
+        if not keys:
+            await anyio.lowlevel.checkpoint()
+            return []
+        await self._ensure_open()
+        ok, _ = await self._run(lambda guard: self._files.check_folder())
+        if not ok:
+            return c.found([False] * len(keys))
+        sizes = self._sizes
+        return c.found([key in sizes for key in keys])
+
+    async def write(self, items: Sequence[WriteItem]) -> int:
+        self._check_open()
+        rows = [(key, _payload(row, self.row_bytes)) for key, row in items]
+        c = self._counters
+        c.write_calls += 1
+        if not rows:
+            await anyio.lowlevel.checkpoint()
+            return 0
+        try:
+            await self._ensure_open()
+        except BaseException:
+            c.written(0, len(rows), self.row_bytes, cause=UNWRITTEN_CANCELLED)
+            raise
+        if self.read_only:
+            await anyio.lowlevel.checkpoint()
+            return c.written(0, len(rows), self.row_bytes, cause=UNWRITTEN_READ_ONLY)
+        writing = self._write_gate.admit()
+        if writing is None:  # the disk refused writes just before: not due to try again
+            c.unavailable_total += 1
+            await anyio.lowlevel.checkpoint()
+            return c.written(0, len(rows), self.row_bytes, cause=UNWRITTEN_BACKING_OFF)
+        return await self._write(rows, writing)
+
+    async def read(self, items: Sequence[ReadItem]) -> list[bool]:
+        self._check_open()
+        views = [(key, writable_row(buffer, self.row_bytes)) for key, buffer in items]
+        c = self._counters
+        c.read_calls += 1
+        if not views:
+            await anyio.lowlevel.checkpoint()
+            return []
+        await self._ensure_open()
+        held = [i for i, (key, _) in enumerate(views) if key in self._sizes]
+        filled = [False] * len(views)
+        c.read_misses_total += len(views) - len(held)  # not held: answered from the index
+        if not held:
+            await anyio.lowlevel.checkpoint()
+            return filled
+        wanted = [views[i] for i in held]
+        keys = [key for key, _ in wanted]
+        for key in keys:
+            self._reading[key] = self._reading.get(key, 0) + 1
+        out = ReadOutcome(len(wanted))
+        try:
+            await self._run(lambda guard: self._files.read(guard, wanted, out, self.touch_reads))
+        finally:
+            for key in keys:
+                left = self._reading[key] - 1
+                if left:
+                    self._reading[key] = left
+                else:
+                    del self._reading[key]
+        good: list[OffloadKey] = []
+        for position, verdict in enumerate(out.verdicts):
+            key = keys[position]
+            if verdict is None:
+                if position not in out.vanished and position not in out.errors:
+                    c.read_misses_total += 1  # not reached: timed out, or the folder was gone
+                continue
+            if c.read(key, verdict, self.row_bytes):
+                filled[held[position]] = True
+                good.append(key)
+            else:
+                self._forget(key)  # its file is deleted: never offered again
+        for position in out.vanished:
+            c.read_misses_total += 1
+            self._lost += 1
+            self._forget(keys[position])
+        for exc in out.errors.values():
+            c.read_misses_total += 1
+            c.error(f"reading a value: {describe(exc)}")
+        if good:
+            self.policy.touch(good)
+        return filled
+
+    def statistics(self) -> SecondaryStatistics:
+        writes = "backing off" if self._write_gate.state is TierState.DOWN else "up"
+        snapshot = self._counters.snapshot(self.name, self.state.value, writes)
+        return _with_capacity(
+            snapshot,
+            capacity_bytes=self.capacity_bytes,
+            used_bytes=self._used,
+            chunks=len(self._sizes),
+            evictions_total=self._evictions,
+            lost_total=self._lost,
+        )
+
+    # -- writes ---------------------------------------------------------------------------
+
+    async def _write(self, rows: list[tuple[OffloadKey, memoryview]], writing: Admission) -> int:
+        c = self._counters
+        # A key another call is writing (or deleting) now is left to that call.
+        busy = sum(1 for k, _ in rows if k in self._writing or k in self._unlinking)
+        items = [(k, r) for k, r in rows if k not in self._writing and k not in self._unlinking]
+        protected = self._protected(items)
+        victims, new = self._make_room(items, protected)
+        while victims is None:
+            # No room for all: keep the head of the batch (a prefix is what gets reused).
+            items = items[: len(items) // 2]
+            victims, new = self._make_room(items, protected)
+        no_room = len(rows) - busy - len(items)
+        victims += self._take_trash()
+        reserved = sum(self._value_bytes(k) for k in new)
+        self._reserved += reserved
+        self._unlinking.update(victims)
+        for key, _ in items:
+            self._writing[key] = self._writing.get(key, 0) + 1
+        out = WriteOutcome()
+        cause = UNWRITTEN_CANCELLED
+        try:
+            _, cause = await self._run(
+                lambda guard: self._files.write(guard, victims, items, out), write=True
+            )
+        finally:
+            self._reserved -= reserved
+            self._unlinking.difference_update(victims)
+            self._trash.extend(victims[out.unlinked :])  # still on disk: deleted later
+            for key, _ in items:
+                left = self._writing[key] - 1
+                if left:
+                    self._writing[key] = left
+                else:
+                    del self._writing[key]
+            written = self._settle_write(items, out)
+            refused = self._refusals(items, out, writing, cause)
+            c.written(written, len(items), self.row_bytes, cause=cause, refused=refused)
+            for reason, n in ((UNWRITTEN_BUSY, busy), (UNWRITTEN_NO_ROOM, no_room)):
+                if n:  # skipped before any I/O: counted under their own reasons
+                    c.write_errors_total += n
+                    by_reason = c.write_errors_by_reason
+                    by_reason[reason] = by_reason.get(reason, 0) + n
+        return written
+
+    def _make_room(
+        self, items: list[tuple[OffloadKey, memoryview]], protected: set[OffloadKey]
+    ) -> tuple[list[OffloadKey] | None, list[OffloadKey]]:
+        """Victims that make room for ``items``' new values (None: not possible), and those."""
+        new = list(dict.fromkeys(k for k, _ in items if k not in self._sizes))
+        need = self._used + self._reserved + sum(map(self._value_bytes, new))
+        return self._evict(need - self.capacity_bytes, protected), new
+
+    def _value_bytes(self, key: OffloadKey) -> int:
+        return self.row_bytes + head_bytes(self.codec, key)
+
+    def _settle_write(self, items: list[tuple[OffloadKey, memoryview]], out: WriteOutcome) -> int:
+        """Index the values now on disk; their count."""
+        added: list[OffloadKey] = []
+        again: list[OffloadKey] = []
+        for position in out.renamed:
+            key = items[position][0]
+            if key in self._sizes:
+                again.append(key)
+                continue
+            size = self._value_bytes(key)
+            self._sizes[key] = size
+            self._used += size
+            added.append(key)
+        if added:
+            self.policy.insert(added)
+        if again:
+            self.policy.touch(again)
+        return len(out.renamed)
+
+    def _refusals(
+        self,
+        items: list[tuple[OffloadKey, memoryview]],
+        out: WriteOutcome,
+        writing: Admission,
+        cause: str,
+    ) -> list[tuple[str, str]]:
+        """``(code, message)`` per chunk the disk refused; the write gate learns of them."""
+        refused: list[tuple[str, str]] = []
+        full: int | None = None
+        for position, exc in sorted(out.errors.items()):
+            code = errno.errorcode.get(exc.errno or 0, "EIO")
+            if exc.errno in _REFUSALS:
+                refused.append((code, f"{code}: {describe(exc)}"))
+                if exc.errno in FULL_ERRNOS:
+                    full = position
+            else:
+                self._counters.error(f"writing a value: {describe(exc)}")
+        if full is not None and cause == UNWRITTEN_FAILED:
+            # The values after a full disk were not tried: refused alike.
+            refused += [refused[-1]] * (len(items) - full - 1)
+        if refused:
+            if self._write_gate.failed(writing):
+                logger.warning(
+                    "disk tier %s refused %d writes (%s); writes back off, reads go on",
+                    self.path,
+                    len(refused),
+                    refused[0][1],
+                )
+        elif out.renamed:
+            if self._write_gate.succeeded(writing):
+                logger.warning("disk tier %s accepts writes again", self.path)
+        else:
+            self._write_gate.release(writing)
+        return refused
+
+    # -- the index ------------------------------------------------------------------------
+
+    def _protected(self, items: list[tuple[OffloadKey, memoryview]]) -> set[OffloadKey]:
+        return {k for k, _ in items} | self._reading.keys() | self._writing.keys()
+
+    def _evict(self, need: int, protected: Any) -> list[OffloadKey] | None:
+        """Victims that free at least ``need`` bytes, out of the index (None: not possible)."""
+        if need <= 0:
+            return []
+        value = self._value_bytes(OffloadKey(bytes(16)))
+        victims = self.policy.evict(math.ceil(need / value), protected)
+        if victims is None:
+            return None
+        for key in victims:
+            self._used -= self._sizes.pop(key)
+        self._evictions += len(victims)
+        return victims
+
+    def _forget(self, key: OffloadKey) -> None:
+        size = self._sizes.pop(key, None)
+        if size is not None:
+            self._used -= size
+            self.policy.remove([key])
+
+    def _take_trash(self) -> list[OffloadKey]:
+        trash = [k for k in self._trash if k not in self._sizes and k not in self._writing]
+        self._trash.clear()
+        return trash
+
+    # -- the async shell ------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ResourceClosedError(f"{self!r} is closed")
+
+    async def _ensure_open(self) -> None:
+        if not self._opened:
+            await self.open()
+
+    def _limiters(self) -> tuple[anyio.CapacityLimiter, anyio.CapacityLimiter]:
+        if self._slots is None or self._threads is None:
+            self._slots = anyio.CapacityLimiter(self.max_concurrency)
+            self._threads = anyio.CapacityLimiter(self.max_concurrency)
+        return self._slots, self._threads
+
+    async def _run(self, work: Callable[[Guard], None], *, write: bool = False) -> tuple[bool, str]:
+        """Run ``work(guard)`` in a worker thread within the timeout, unless the tier is
+        down. Returns whether it ran to its end, and why not (an ``UNWRITTEN_*`` cause).
+        Counts every outcome."""
+        c = self._counters
+        admission = self._health.admit()
+        if admission is None:
+            c.unavailable_total += 1
+            await anyio.lowlevel.checkpoint()  # answered without I/O, but still a checkpoint
+            return False, UNWRITTEN_DOWN
+        guard = Guard()
+        slots, threads = self._limiters()
+        started = done = False
+        failure: BaseException | None = None
+        self._in_flight += 1
+        try:
+            with anyio.move_on_after(self.timeout_s):
+                async with slots:
+                    started = True
+                    failure = await anyio.to_thread.run_sync(
+                        _capture, work, guard, abandon_on_cancel=True, limiter=threads
+                    )
+                    done = True
+        except BaseException:  # cancelled from outside: give the buffers back, then go
+            guard.abandon()
+            self._health.release(admission)
+            raise
+        finally:
+            self._in_flight -= 1
+            if not self._in_flight and self._idle is not None:
+                self._idle.set()
+        if not done:
+            guard.abandon()
+            if not started:  # every worker busy for the whole timeout: overload, no fault
+                self._health.release(admission)
+                c.busy_total += 1
+                return False, UNWRITTEN_BUSY
+            c.timeouts_total += 1
+            self._failed(admission, f"TimeoutError: no answer within {self.timeout_s} s")
+            return False, UNWRITTEN_TIMEOUT
+        if isinstance(failure, DirectoryGone):
+            self._failed(admission, describe(failure))
+            if admission is Admission.PROBE:
+                await self._recover()
+            return False, UNWRITTEN_FAILED
+        if failure is not None:
+            self._failed(admission, describe(failure))
+            return False, UNWRITTEN_FAILED
+        c.round_trips_total += 1
+        if self._health.succeeded(admission):
+            c.reconnects_total += 1
+            logger.warning("disk tier %s answers again", self.path)
+        return True, UNWRITTEN_FAILED
+
+    async def _recover(self) -> None:
+        """The folder is gone (or another): make it again and index what it holds; the
+        values the index named are lost. The next call finds the tier up."""
+        lost = len(self._sizes)
+        try:
+            with anyio.move_on_after(self.timeout_s):
+                report = await anyio.to_thread.run_sync(self._reopen, abandon_on_cancel=True)
+                self._lost += lost
+                await self._adopt(report)
+                self._health.retry_at = 0.0  # due now: the next call probes the new folder
+                logger.warning(
+                    "disk tier %s: the folder was gone; made again, %d values lost, %d found",
+                    self.path,
+                    lost,
+                    len(report.values),
+                )
+        except (OSError, ConfigError) as exc:
+            self._counters.error(f"making the folder again: {describe(exc)}")
+
+    def _reopen(self) -> ScanResult:
+        files = self._files
+        if not self.read_only and not (files.root / ".lock").exists():
+            files.unlock()
+            files.lock()  # the root went too: its lock file with it
+        files.make_folder()
+        return files.scan()
+
+    def _failed(self, admission: Admission, message: str) -> None:
+        self._counters.error(message)
+        if self._health.failed(admission):
+            logger.warning("disk tier %s is down: %s", self.path, message)
+
+    def __repr__(self) -> str:
+        c = self._counters
+        return (
+            f"<DiskTier [{self.state.value}; {self.path}; {len(self._sizes)} values, "
+            f"{self._used:,}/{self.capacity_bytes:,} bytes; {c.hits_total} hits, "
+            f"{c.misses_total} misses, {c.reads_total} read, {c.writes_total} written, "
+            f"{c.rejected_total} rejected, {c.errors_total} errors]>"
+        )
+
+
+def _capture(work: Callable[[Guard], None], guard: Guard) -> BaseException | None:
+    """Run ``work`` in the worker thread; its exception, returned rather than raised."""
+    try:
+        work(guard)
+    except (OSError, ConfigError) as exc:
+        return exc
+    return None
+
+
+def _payload(payload: Any, row_bytes: int) -> memoryview:
+    view = memoryview(payload)
+    if not view.c_contiguous:
+        raise SpecError("a chunk payload must be C-contiguous")
+    if view.nbytes != row_bytes:
+        raise SpecError(
+            f"a chunk payload must be exactly one row of {row_bytes} bytes, got {view.nbytes}"
+        )
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _with_capacity(snapshot: SecondaryStatistics, **fields: int) -> SecondaryStatistics:
+    import msgspec
+
+    return msgspec.structs.replace(snapshot, **fields)
