@@ -85,7 +85,7 @@ async def test_a_second_engine_loads_what_the_first_wrote_through(anyio_backend:
     second, kv_second = engine_over(store, seed=2)
     async with second:
         assert second.lookup(keys(1, 2, 3, 4)).ready == 0
-        assert await second.promote(keys(1, 2, 3, 4)) == Promotion(3, 3)  # one round trip
+        assert await second.promote(keys(1, 2, 3, 4)) == Promotion(3, 3, {"remote": 3})  # one round trip
         assert second.lookup(keys(1, 2, 3, 4)).ready == 3
         loaded = await (await second.submit_load(keys(1, 2, 3), GPULoadStoreSpec([10, 11, 12])))
         assert loaded.success
@@ -103,7 +103,7 @@ async def test_promotion_starts_after_the_cpu_hits_and_stops_at_a_gap(anyio_back
     async with second:
         assert (await (await second.submit_store(keys(1), GPULoadStoreSpec([0])))).success
         # 1 is in the CPU tier; 2 is remote; 3 is nowhere, so 4 cannot be a prefix hit.
-        assert await second.promote(keys(1, 2, 3, 4), start=1) == Promotion(1, 1)
+        assert await second.promote(keys(1, 2, 3, 4), start=1) == Promotion(1, 1, {"remote": 1})
         assert second.lookup(keys(1, 2, 3, 4)).ready == 2
         assert not second.manager.holds(keys(4)[0])
 
@@ -179,8 +179,9 @@ def test_cascade_queue_is_checked_and_the_limits_are_one_record() -> None:
         CascadeLimits(cascade_chunks=9).max_pinned(8)
     engine, _ = engine_over(MemoryStore(), chunks=8, cascade_queue=3, cascade_chunks=2)
     assert engine._secondary is not None
-    assert engine._secondary.limits == CascadeLimits(cascade_queue=3, cascade_chunks=2)
-    assert "0/2 pinned" in repr(engine._secondary)
+    (cascade,) = engine._secondary.cascades
+    assert cascade.limits == CascadeLimits(cascade_queue=3, cascade_chunks=2)
+    assert "0/2 pinned" in repr(cascade)
 
 
 async def test_a_chunk_being_written_through_is_not_evicted(anyio_backend: str) -> None:
@@ -279,7 +280,7 @@ async def test_promotion_never_evicts_the_requests_own_head(anyio_backend: str) 
         # Room for one more chunk only: 2 comes in (a shorter run than asked for),
         # and 1, the request's head, stays.
         promotion = await second.promote(keys(1, 2, 3), start=1)
-        assert promotion == Promotion(1, 1)
+        assert promotion == Promotion(1, 1, {"remote": 1})
         assert second.manager.holds(keys(1)[0], ready=True)
         # The longer run it tried first found no room: not an allocation failure.
         assert second.manager.statistics().allocation_failures_total == 0

@@ -12,7 +12,7 @@ An async server embeds one engine per rank::
 The engine builds the pieces and owns their life; each piece does its own work:
 the KV layout (`KVLayout.from_kv_caches`), the chunk manager, the host memory
 pool, the scheduler (which builds the transfer backend), the KV event emitter
-(`KVEventEmitter`) and the secondary tier's cascade (`SecondaryCascade`).
+(`KVEventEmitter`) and the chain of tiers below it (`TierChain`).
 
 Design note: the close order. `aclose` ends the pieces in the reverse of the
 order `__aenter__` registers them on an exit stack: the cascade first stops
@@ -64,12 +64,8 @@ from tiering.scheduler import (
     manager_job,
 )
 from tiering.secondary import RemoteNamespace, SecondaryTier, writable_row
-from tiering.secondary.cascade import (
-    CascadeLimits,
-    Promotion,
-    SecondaryCascade,
-    SecondaryTierStatistics,
-)
+from tiering.secondary.cascade import CascadeLimits, Promotion, SecondaryTierStatistics
+from tiering.secondary.chain import TierChain
 from tiering.specs import GPULoadStoreSpec, IntArray
 from tiering.transfer import (
     BACKEND_NAMES,
@@ -92,6 +88,9 @@ __all__ = [
     "TieringEngine",
     "kv_cache_tensors",
 ]
+
+#: A tier below the CPU tier, or a function that builds one from the engine's namespace.
+TierSource = SecondaryTier | Callable[[RemoteNamespace], SecondaryTier]
 
 #: Keys of ``OffloadingConfig.extra_config`` read as scheduler limits.
 _LIMIT_KEYS = frozenset(SchedulerLimits.__struct_fields__)
@@ -163,13 +162,14 @@ class TieringEngine:
     ``prefault`` maps the whole CPU tier at open (the memory is committed
     then, and no store pays a page fault later); ``False`` maps it lazily.
 
-    ``secondary`` adds a tier below this one (a `SecondaryTier`, or a function
-    that builds one from the engine's `RemoteNamespace`; ``remote_namespace``
-    names the deployment in it): chunks whose stores land are written to it in
-    the background (at most ``cascade_queue`` stores wait, holding at most
-    ``cascade_chunks`` chunks pinned, by default half the CPU tier; past that
-    they are dropped and counted), and `promote` reads a request's chunks back
-    from it. The engine closes it.
+    ``secondary`` adds a tier below this one, or a chain of them in order (each
+    a `SecondaryTier`, or a function that builds one from the engine's
+    `RemoteNamespace`; ``remote_namespace`` names the deployment in it): chunks
+    whose stores land are written to each in the background (per tier, at most
+    ``cascade_queue`` stores wait; the chain holds at most ``cascade_chunks``
+    chunks pinned, by default half the CPU tier, split between its tiers; past
+    that they are dropped and counted), and `promote` reads a request's chunks
+    back from the first tier that has them (`TierChain`). The engine closes them.
 
     `aclose` may be called from any task. With a secondary tier, the
     write-through task runs in a task group of the task that enters the
@@ -195,7 +195,7 @@ class TieringEngine:
         engine_id: str | None = None,
         prefault: bool = True,
         events: KVEventsConfig | None = None,
-        secondary: SecondaryTier | Callable[[RemoteNamespace], SecondaryTier] | None = None,
+        secondary: TierSource | Sequence[TierSource] | None = None,
         remote_namespace: str = "",
         cascade_queue: int = 64,
         cascade_chunks: int | None = None,
@@ -246,24 +246,32 @@ class TieringEngine:
             page_bytes=tuple(t.page_bytes for t in self.layout.tensors),
             namespace=remote_namespace,
         )
-        self._secondary: SecondaryCascade | None = None
+        self._secondary: TierChain | None = None
         if secondary is not None:
-            tier = secondary if isinstance(secondary, SecondaryTier) else secondary(self.namespace)
+            sources = list(secondary) if isinstance(secondary, Sequence) else [secondary]
+            tiers = [s if isinstance(s, SecondaryTier) else s(self.namespace) for s in sources]
             on_written = None
             if self._events is not None:
-                on_written = functools.partial(
-                    self._events.publish_stored_below,
-                    medium=tier.medium,
-                    locality=str(tier.locality),
+                emitter = self._events
+
+                def on_written(tier: SecondaryTier) -> Callable[[Sequence[OffloadKey]], None]:
+                    return functools.partial(
+                        emitter.publish_stored_below,
+                        medium=tier.medium,
+                        locality=str(tier.locality),
+                    )
+
+            if tiers:
+                self._secondary = TierChain(
+                    tiers,
+                    self.manager,
+                    self._row,
+                    row_bytes=self.layout.row_bytes,
+                    limits=CascadeLimits(
+                        cascade_queue=cascade_queue, cascade_chunks=cascade_chunks
+                    ),
+                    on_written=on_written,
                 )
-            self._secondary = SecondaryCascade(
-                tier,
-                self.manager,
-                self._row,
-                row_bytes=self.layout.row_bytes,
-                limits=CascadeLimits(cascade_queue=cascade_queue, cascade_chunks=cascade_chunks),
-                on_written=on_written,
-            )
         self.scheduler = Scheduler(
             self.manager,
             self._make_backend,
@@ -465,8 +473,13 @@ class TieringEngine:
 
     @property
     def secondary(self) -> SecondaryTier | None:
-        """The secondary tier below this one, if any."""
-        return self._secondary.tier if self._secondary is not None else None
+        """The first tier below this one, if any."""
+        return self._secondary.tiers[0] if self._secondary is not None else None
+
+    @property
+    def tiers(self) -> tuple[SecondaryTier, ...]:
+        """Every tier below this one, in order (empty without)."""
+        return self._secondary.tiers if self._secondary is not None else ()
 
     def _row(self, chunk_id: int) -> memoryview:
         """The host memory of chunk slot ``chunk_id``: one row of the pool."""
@@ -489,7 +502,7 @@ class TieringEngine:
         """Bring the chunks after the first ``start`` of ``keys`` in from the secondary tier.
 
         ``start`` is how many leading chunks the CPU tier already has (`lookup`'s
-        ``ready``); see `SecondaryCascade.promote`. Returns how many leading chunks
+        ``ready``); see `TierChain.promote`. Returns how many leading chunks
         after ``start`` are now ready, and how many of those it read just now;
         nothing without a secondary tier.
         """
@@ -548,6 +561,7 @@ class TieringEngine:
     # -- seeing state ---------------------------------------------------------
 
     def statistics(self) -> EngineStatistics:
+        tiers = self._secondary.statistics() if self._secondary is not None else ()
         return EngineStatistics(
             state=self._state.value,
             manager=self.manager.statistics(),
@@ -557,8 +571,8 @@ class TieringEngine:
             # the whole tier) is left out; `HostMemoryPool.resident_bytes` measures it.
             pool=self._pool.statistics(resident=False) if self._pool is not None else None,
             events=self._events.statistics() if self._events is not None else None,
-            secondary=self._secondary.statistics() if self._secondary is not None else None,
-            tiers=(self._secondary.statistics(),) if self._secondary is not None else (),
+            secondary=tiers[0] if tiers else None,
+            tiers=tiers,
         )
 
     def __repr__(self) -> str:

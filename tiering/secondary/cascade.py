@@ -1,6 +1,7 @@
-"""`SecondaryCascade`: a CPU tier's side of the secondary tier below it.
+"""`SecondaryCascade`: a CPU tier's write-through to one secondary tier below it.
 
-Two flows join the tiers (see `tiering.secondary.base`):
+Two flows join the tiers (see `tiering.secondary.base`); this module is the first,
+per tier, and `tiering.secondary.chain` the second, over every tier:
 
 - **Write-through.** A store that lands in the CPU tier (`stored`) pins its
   chunks, so no eviction takes them while their rows are read, and queues
@@ -9,10 +10,9 @@ Two flows join the tiers (see `tiering.secondary.base`):
   past ``cascade_chunks``, the chunks are dropped, counted and unpinned at
   once: the GPU path never waits for the secondary tier, and a slow tier never
   pins so much of the CPU tier that stores find no room.
-- **Promotion.** `promote` asks the secondary tier, in one round trip, about a
-  request's chunks that follow what the CPU tier holds, and reads the leading
-  run it has into fresh CPU slots (being written meanwhile: lookups say
-  pending, nothing evicts them), never evicting the request's own head.
+- **Promotion** (`TierChain.promote`): the tiers are asked, one round trip
+  each, about a request's chunks that follow what the CPU tier holds, and the
+  leading run they have is read into fresh CPU slots.
 
 Life: `start` runs the write-through task in a task group the owner holds;
 `stop_intake` (any task) queues no more writes; `stop` (any task) waits until
@@ -95,11 +95,13 @@ class SecondaryTierStatistics(msgspec.Struct, frozen=True, kw_only=True):
 
 class Promotion(msgspec.Struct, frozen=True):
     """What a promotion did: ``ready`` leading chunks (after the caller's ``start``)
-    are now ready in the CPU tier, ``promoted`` of which it read from the secondary
-    tier just now."""
+    are now ready in the CPU tier, ``promoted`` of which it read from the tiers below
+    just now; ``by_tier`` splits those by tier label (``{"disk": 3, "remote": 1}``,
+    only the tiers that gave some)."""
 
     ready: int
     promoted: int
+    by_tier: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 #: A queued write-through: (manager job, keys, chunk ids, reset generation).
@@ -107,11 +109,13 @@ _Write = tuple[Hashable, tuple[OffloadKey, ...], list[int], int]
 
 
 class SecondaryCascade:
-    """Writes a CPU tier's landed stores through to ``tier`` and promotes from it.
+    """Writes a CPU tier's landed stores through to ``tier`` (promotion from it is the
+    `~tiering.secondary.chain.TierChain`'s).
 
     ``manager`` is the CPU tier's; ``row(chunk_id)`` its memory of a chunk slot,
     ``row_bytes`` long, which must be the tier's row size; ``on_written(keys)``
-    (if given) is told of every batch written whole.
+    (if given) is told of every batch written whole. ``max_pinned`` overrides the
+    limits' bound on pins (a chain shares one bound among its tiers).
     """
 
     def __init__(
@@ -123,6 +127,7 @@ class SecondaryCascade:
         row_bytes: int,
         limits: CascadeLimits | None = None,
         on_written: Callable[[Sequence[OffloadKey]], None] | None = None,
+        max_pinned: int | None = None,
     ) -> None:
         if tier.row_bytes != row_bytes:
             raise ConfigError(
@@ -134,7 +139,9 @@ class SecondaryCascade:
         self.tier = tier
         self.limits = limits
         #: Most chunks pinned by write-throughs at once (queued or being written).
-        self.max_pinned = limits.max_pinned(manager.capacity)
+        self.max_pinned = (
+            limits.max_pinned(manager.capacity) if max_pinned is None else max_pinned
+        )
         self._manager = manager
         self._row = row
         self._on_written = on_written
@@ -201,7 +208,7 @@ class SecondaryCascade:
             # Pins beyond the bound would leave stores no chunk to evict.
             self._dropped += len(keys)
             return
-        job = ("cascade", next(self._jobs))
+        job = ("cascade", self.tier.label, next(self._jobs))
         manager = self._manager
         try:
             spec = manager.prepare_load(keys, job=job, count=False)  # pinned while read
@@ -286,70 +293,10 @@ class SecondaryCascade:
         """The CPU tier was reset: queued write-throughs name slots now void."""
         self._generation += 1
 
-    # -- promotion --------------------------------------------------------------
-
-    async def promote(self, keys: Sequence[OffloadKey], start: int = 0) -> Promotion:
-        """Bring the chunks after the first ``start`` of ``keys`` in from the tier.
-
-        The chunks that follow and are in neither tier are asked about in one
-        round trip; the leading run the tier holds is read into fresh CPU
-        slots, never evicting the request's first ``start`` chunks for them.
-        Always a checkpoint.
-        """
-        manager = self._manager
-        candidates: list[OffloadKey] = []
-        for key in keys[start:]:
-            if manager.holds(key):
-                break  # in the CPU tier already (or being written): the run ends here
-            candidates.append(key)
-        run = 0
-        if candidates:
-            present = await self.tier.contains(candidates)
-            while run < len(present) and present[run]:
-                run += 1
-        else:
-            await anyio.lowlevel.checkpoint()  # every promotion yields, even with nothing to ask
-        read = 0
-        if run:
-            read = await self._read(keys[:start], candidates[:run])
-        ready = 0
-        for key in keys[start:]:
-            if not manager.holds(key, ready=True):
-                break
-            ready += 1
-        return Promotion(ready=ready, promoted=min(read, ready))
-
-    async def _read(self, head: Sequence[OffloadKey], wanted: Sequence[OffloadKey]) -> int:
-        """Read ``wanted`` into fresh slots; the request's ``head`` is never evicted for them."""
-        manager = self._manager
-        job = ("promote", next(self._jobs))
-        # No room for all: try a shorter run. One promotion that finds no room
-        # at all is one allocation failure, however many sizes it tried.
-        output = manager.prepare_store([*head, *wanted], job=job, count=False)
-        while output is None and len(wanted) > 1:
-            wanted = wanted[: len(wanted) // 2]
-            output = manager.prepare_store([*head, *wanted], job=job, count=False)
-        if output is None:
-            manager.count_allocation_failure()
-            return 0  # no room in the CPU tier: the request recomputes
-        new = output.keys_to_store
-        ids = output.store_spec.chunk_ids.tolist()
-        rows = [(k, self._row(c)) for k, c in zip(new, ids, strict=True)]
-        found: list[bool] = []
-        try:
-            found = await self.tier.read(rows)
-        finally:
-            good = 0
-            while good < len(found) and found[good]:
-                good += 1
-            # Only while the job holds its keys: after a forced reset they may
-            # be another store's by now.
-            if manager.store_in_flight(job):
-                manager.complete_store(new[good:], success=False)  # frees their slots
-                manager.complete_store(job=job, success=True)  # the rest: the leading run
-            self._promoted += good
-            self._promote_failed += len(new) - good
-        return good
+    def promoted(self, good: int, failed: int) -> None:
+        """Count a promotion from this tier (`TierChain.promote` reads it)."""
+        self._promoted += good
+        self._promote_failed += failed
 
     # -- seeing state -----------------------------------------------------------
 

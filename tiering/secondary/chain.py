@@ -1,0 +1,241 @@
+"""`TierChain`: the tiers below a CPU tier, in order (a disk, then a shared Redis, say).
+
+- **Write-through, per tier.** Every store that lands in the CPU tier is
+  queued to each tier's own `SecondaryCascade`: each is bounded on its own (a
+  full queue drops and counts, per tier), so a slow Redis never holds back the
+  disk and the GPU path never waits for either. The pins they may hold are one
+  bound (half the CPU tier by default) split evenly between them.
+- **Promotion, tier by tier.** A request's chunks that follow what the CPU tier
+  holds are asked about in the first tier in one round trip, those it lacks in
+  the next, and so on (one round trip per tier per request). The leading run
+  that some tier holds is read into fresh CPU slots, each chunk from the first
+  tier that has it (one read per tier). A chunk read from a lower tier is then
+  written through to the tiers above it that lacked it, so the next lookup
+  finds it closer.
+
+Attribution: each tier counts what it gave (`SecondaryTierStatistics.promoted`),
+and a `Promotion` says how many chunks came from which tier, by label.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+
+import anyio
+import anyio.abc
+import anyio.lowlevel
+
+from tiering._types import OffloadKey
+from tiering.cpu.manager import CPUOffloadingManager
+from tiering.errors import ConfigError
+from tiering.secondary.base import SecondaryTier
+from tiering.secondary.cascade import (
+    CascadeLimits,
+    Promotion,
+    SecondaryCascade,
+    SecondaryTierStatistics,
+)
+
+__all__ = ["TierChain"]
+
+
+class TierChain:
+    """The write-throughs to ``tiers`` (in order) and the promotions from them.
+
+    ``manager``, ``row`` and ``row_bytes`` are the CPU tier's (see
+    `SecondaryCascade`); ``on_written(tier)`` (if given) makes each tier's
+    announcer of batches written whole. The chain owns the tiers: `aclose` closes
+    them.
+    """
+
+    def __init__(
+        self,
+        tiers: Sequence[SecondaryTier],
+        manager: CPUOffloadingManager,
+        row: Callable[[int], memoryview],
+        *,
+        row_bytes: int,
+        limits: CascadeLimits | None = None,
+        on_written: Callable[[SecondaryTier], Callable[[Sequence[OffloadKey]], None]] | None = None,
+    ) -> None:
+        if not tiers:
+            raise ConfigError("a chain of tiers needs at least one tier")
+        labels = [tier.label for tier in tiers]
+        if len(set(labels)) != len(labels):
+            raise ConfigError(
+                f"every tier below the CPU tier needs its own label, got {labels}; "
+                "give each tier a label of its own (e.g. disk, remote)"
+            )
+        limits = limits or CascadeLimits()
+        per_tier = max(1, limits.max_pinned(manager.capacity) // len(tiers))
+        self.cascades = [
+            SecondaryCascade(
+                tier,
+                manager,
+                row,
+                row_bytes=row_bytes,
+                limits=limits,
+                on_written=on_written(tier) if on_written is not None else None,
+                max_pinned=per_tier,
+            )
+            for tier in tiers
+        ]
+        self.tiers = tuple(tiers)
+        self._manager = manager
+        self._row = row
+        self._jobs = itertools.count()
+
+    # -- life: each cascade's --------------------------------------------------------
+
+    def start(self, task_group: anyio.abc.TaskGroup) -> None:
+        for cascade in self.cascades:
+            cascade.start(task_group)
+
+    def stop_intake(self) -> None:
+        for cascade in self.cascades:
+            cascade.stop_intake()
+
+    async def aclose(self) -> None:
+        """Stop every write-through and close every tier (even when cancelled). Idempotent."""
+        with anyio.CancelScope(shield=True):
+            for cascade in self.cascades:
+                cascade.stop_intake()
+            for cascade in self.cascades:
+                await cascade.aclose()
+
+    async def wait_idle(self) -> None:
+        for cascade in self.cascades:
+            await cascade.wait_idle()
+
+    def stored(self, keys: tuple[OffloadKey, ...]) -> None:
+        """A store of ``keys`` landed in the CPU tier: queue it to every tier."""
+        for cascade in self.cascades:
+            cascade.stored(keys)
+
+    def check_reset(self, *, force: bool) -> None:
+        for cascade in self.cascades:
+            cascade.check_reset(force=force)
+
+    def tier_reset(self) -> None:
+        for cascade in self.cascades:
+            cascade.tier_reset()
+
+    # -- promotion --------------------------------------------------------------------
+
+    async def promote(self, keys: Sequence[OffloadKey], start: int = 0) -> Promotion:
+        """Bring the chunks after the first ``start`` of ``keys`` in from the tiers.
+
+        The chunks that follow and are in no tier above are asked about tier by
+        tier (one round trip each; a tier is asked only about what the tiers
+        above it lack). The leading run the tiers hold is read into fresh CPU
+        slots, never evicting the request's first ``start`` chunks for them.
+        Always a checkpoint.
+        """
+        manager = self._manager
+        candidates: list[OffloadKey] = []
+        for key in keys[start:]:
+            if manager.holds(key):
+                break  # in the CPU tier already (or being written): the run ends here
+            candidates.append(key)
+        source: list[int | None] = [None] * len(candidates)
+        asked = False
+        missing = list(range(len(candidates)))
+        for index, cascade in enumerate(self.cascades):
+            if not missing:
+                break  # the tiers above have them all
+            present = await cascade.tier.contains([candidates[i] for i in missing])
+            asked = True
+            for position, found in zip(missing, present, strict=True):
+                if found:
+                    source[position] = index
+            missing = [i for i in missing if source[i] is None]
+        if not asked:
+            await anyio.lowlevel.checkpoint()  # every promotion yields, even with nothing to ask
+        run = 0
+        while run < len(source) and source[run] is not None:
+            run += 1
+        by_tier: dict[str, int] = {}
+        if run:
+            by_tier = await self._read(keys[:start], candidates[:run], source[:run])
+        ready = 0
+        for key in keys[start:]:
+            if not manager.holds(key, ready=True):
+                break
+            ready += 1
+        return Promotion(ready=ready, promoted=min(sum(by_tier.values()), ready), by_tier=by_tier)
+
+    async def _read(
+        self,
+        head: Sequence[OffloadKey],
+        wanted: Sequence[OffloadKey],
+        source: Sequence[int | None],
+    ) -> dict[str, int]:
+        """Read ``wanted`` (each from its ``source`` tier) into fresh slots; the request's
+        ``head`` is never evicted for them. Returns the chunks promoted, by tier label."""
+        manager = self._manager
+        job = ("promote", next(self._jobs))
+        # No room for all: try a shorter run. One promotion that finds no room
+        # at all is one allocation failure, however many sizes it tried.
+        output = manager.prepare_store([*head, *wanted], job=job, count=False)
+        while output is None and len(wanted) > 1:
+            wanted = wanted[: len(wanted) // 2]
+            output = manager.prepare_store([*head, *wanted], job=job, count=False)
+        if output is None:
+            manager.count_allocation_failure()
+            return {}  # no room in the CPU tier: the request recomputes
+        new = output.keys_to_store
+        ids = output.store_spec.chunk_ids.tolist()
+        tier_of: dict[OffloadKey, int] = {k: s or 0 for k, s in zip(wanted, source, strict=False)}
+        for key in new:  # a head chunk evicted since the lookup: tried in the first tier
+            tier_of.setdefault(key, 0)
+        filled = [False] * len(new)
+        try:
+            for index, cascade in enumerate(self.cascades):
+                mine = [i for i, key in enumerate(new) if tier_of[key] == index]
+                if not mine:
+                    continue
+                rows = [(new[i], self._row(ids[i])) for i in mine]
+                for i, ok in zip(mine, await cascade.tier.read(rows), strict=True):
+                    filled[i] = ok
+        finally:
+            good = 0
+            while good < len(filled) and filled[good]:
+                good += 1
+            # Only while the job holds its keys: after a forced reset they may
+            # be another store's by now.
+            if manager.store_in_flight(job):
+                manager.complete_store(new[good:], success=False)  # frees their slots
+                manager.complete_store(job=job, success=True)  # the rest: the leading run
+            else:
+                good = 0
+            by_tier = self._count(new, tier_of, good)
+        self._write_up(new[:good], tier_of)
+        return by_tier
+
+    def _count(
+        self, new: Sequence[OffloadKey], tier_of: dict[OffloadKey, int], good: int
+    ) -> dict[str, int]:
+        by_tier: dict[str, int] = {}
+        for index, cascade in enumerate(self.cascades):
+            gave = sum(1 for key in new[:good] if tier_of[key] == index)
+            lost = sum(1 for key in new[good:] if tier_of[key] == index)
+            cascade.promoted(gave, lost)
+            if gave:
+                by_tier[cascade.tier.label] = gave
+        return by_tier
+
+    def _write_up(self, promoted: Sequence[OffloadKey], tier_of: dict[OffloadKey, int]) -> None:
+        """Write what a lower tier gave through to the tiers above it that lacked it."""
+        for index, cascade in enumerate(self.cascades[:-1]):
+            keys = tuple(k for k in promoted if tier_of[k] > index)
+            if keys:
+                cascade.stored(keys)
+
+    # -- seeing state -----------------------------------------------------------------
+
+    def statistics(self) -> tuple[SecondaryTierStatistics, ...]:
+        return tuple(cascade.statistics() for cascade in self.cascades)
+
+    def __repr__(self) -> str:
+        return f"<TierChain [{', '.join(t.label for t in self.tiers)}]>"
