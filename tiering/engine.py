@@ -229,9 +229,12 @@ class TieringEngine:
                 "events settings were given but the config has enable_kv_cache_events=False; "
                 "set it to publish KV cache events"
             )
+        sources: list[TierSource] = []
+        if secondary is not None:
+            sources = list(secondary) if isinstance(secondary, Sequence) else [secondary]
         self._events: KVEventEmitter | None = None
         if config.enable_kv_cache_events:
-            self._events = KVEventEmitter(config, events, keep_landed=secondary is not None)
+            self._events = KVEventEmitter(config, events, keep_landed=bool(sources))
         self.manager = CPUOffloadingManager(
             num_chunks,
             policy,
@@ -247,8 +250,7 @@ class TieringEngine:
             namespace=remote_namespace,
         )
         self._secondary: TierChain | None = None
-        if secondary is not None:
-            sources = list(secondary) if isinstance(secondary, Sequence) else [secondary]
+        if sources:
             tiers = [s if isinstance(s, SecondaryTier) else s(self.namespace) for s in sources]
             on_written = None
             if self._events is not None:

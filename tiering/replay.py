@@ -45,12 +45,20 @@ from tiering.errors import CapacityError, ChunkStateError, ConfigError
 from tiering.events import KVEventsConfig
 from tiering.scheduler import JobHandle, JobOutcome, JobResult
 from tiering.secondary import RemoteNamespace, SecondaryTier
+from tiering.secondary.disk import DiskTier, ScanResult
 from tiering.simulate import Progress, ProgressBar, requests_to_keys
 from tiering.specs import GPULoadStoreSpec
 from tiering.transfer import KVCacheTensor, KVLayout, available_host_bytes
 from tiering.workload import Request
 
-__all__ = ["ReplayOptions", "ReplayResult", "format_bytes", "replay", "run_replay"]
+__all__ = [
+    "ReplayOptions",
+    "ReplayResult",
+    "TierReport",
+    "format_bytes",
+    "replay",
+    "run_replay",
+]
 
 _MIX = 0x9E3779B97F4A7C15 - (1 << 64)  # golden-ratio multiplier, as a signed int64
 _POISON = -0x2152411021524111  # 0xDEADBEEFDEADBEEF: a constant page, which no key derives
@@ -68,7 +76,10 @@ class ReplayOptions(msgspec.Struct, frozen=True, kw_only=True):
     hold: float = 0.0  # seconds to stay up after the requests, the engine still open
     events_endpoint: str | None = None  # publish KV cache events there (ZMQ PUB)
     replay_endpoint: str | None = None  # and serve their replay there (ZMQ ROUTER)
-    remote: str | None = None  # a Redis URL: a shared tier below the CPU tier
+    disk: str | None = None  # a folder: a persistent disk tier below the CPU tier
+    disk_bytes: int | None = None  # its capacity (needed with disk)
+    disk_fsync: str = "none"  # what survives a power loss (DiskTier's fsync)
+    remote: str | None = None  # a Redis URL: a shared tier below the CPU tier (and the disk)
     remote_namespace: str = ""  # only engines with equal namespaces share chunks
 
     def __post_init__(self) -> None:
@@ -91,6 +102,13 @@ class ReplayOptions(msgspec.Struct, frozen=True, kw_only=True):
                 raise ConfigError(f"{name.replace('_', '-')} must be positive, got {value}")
         if self.replay_endpoint is not None and self.events_endpoint is None:
             raise ConfigError("a replay endpoint needs an events endpoint to replay")
+        if (self.disk is None) != (self.disk_bytes is None):
+            raise ConfigError(
+                "a disk tier needs both its folder and its size: give --disk DIR and "
+                "--disk-bytes N together"
+            )
+        if self.disk_bytes is not None and self.disk_bytes < 1:
+            raise ConfigError(f"disk-bytes must be positive, got {self.disk_bytes}")
 
     @property
     def events(self) -> KVEventsConfig | None:
@@ -98,6 +116,27 @@ class ReplayOptions(msgspec.Struct, frozen=True, kw_only=True):
         if self.events_endpoint is None:
             return None
         return KVEventsConfig(endpoint=self.events_endpoint, replay_endpoint=self.replay_endpoint)
+
+
+class TierReport(msgspec.Struct, frozen=True, kw_only=True):
+    """What one tier below the CPU tier did in a replay (``label``: ``disk``, ``remote``)."""
+
+    label: str
+    hit_blocks: int  # hits read from this tier (part of the replay's hit_blocks)
+    read_bytes: int
+    write_bytes: int
+    errors: int  # calls that failed (unreachable, timeout, I/O error): each once
+    writes_dropped: int  # chunks whose write-through was not written, for any reason
+    writes_dropped_by_reason: dict[str, int]  # adding up: behind, down, refused ENOSPC...
+    rejected: int  # values read that failed a check: never loaded, counted as misses
+    rejected_by_reason: dict[str, int]
+    refused_by_reason: dict[str, int]  # what the store refused, by code: OOM, ENOSPC...
+    lost: int = 0  # values the tier had and found gone (deleted behind its back)
+    chunks: int | None = None  # what it holds at the end, where it knows
+    used_bytes: int | None = None
+    capacity_bytes: int | None = None
+    found_at_open: int | None = None  # the disk tier: values a previous run left
+    dropped_at_open: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class ReplayResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -132,6 +171,10 @@ class ReplayResult(msgspec.Struct, frozen=True, kw_only=True):
     remote_rejected_by_reason: dict[str, int]  # by verdict: bad_checksum, foreign_namespace...
     #: Commands the store refused (reads and lookups too), by its code: OOM, NOPERM, MOVED...
     remote_refused_by_reason: dict[str, int]
+    #: Hit blocks by the tier they were loaded from: ``cpu`` (held by the CPU tier),
+    #: then one key per tier below it (``disk``, ``remote``); they add up to hit_blocks.
+    hit_blocks_by_tier: dict[str, int]
+    tiers: list[TierReport]  # every tier below the CPU tier, in order
     capacity_chunks: int
     cpu_bytes: int
     policy: str
@@ -197,7 +240,7 @@ class _Tally:
     def __init__(self) -> None:
         self.done = self.blocks = self.hit_blocks = 0
         self.failed = self.no_room = self.corrupt = 0
-        self.remote_hit_blocks = 0
+        self.hit_blocks_by_tier: dict[str, int] = {}  # of the tiers below the CPU tier
         self.stored_chunks = self.loaded_chunks = 0
         self.store_bytes = self.load_bytes = 0
         self.store_seconds = self.load_seconds = 0.0
@@ -267,7 +310,7 @@ async def replay(
         backend=options.backend,
         backend_options=backend_options,
         events=options.events,
-        secondary=_remote_tier(options.remote) if options.remote is not None else None,
+        secondary=_tiers(options),
         remote_namespace=options.remote_namespace,
     )
     pages = _Pages(kv)
@@ -282,11 +325,11 @@ async def replay(
             keys, seeds = request_keys[index], request_seeds[index]
             blocks = region[: len(keys)]
             hits = engine.lookup(keys).ready
-            from_remote = 0
-            if remote and hits < len(keys):
+            below: dict[str, int] = {}
+            if chained and hits < len(keys):
                 promotion = await engine.promote(keys, hits)
                 hits += promotion.ready
-                from_remote = promotion.promoted
+                below = promotion.by_tier
             load: JobHandle | None = None
             if hits:
                 if options.verify:  # no key derives these bytes: a load that never lands shows
@@ -299,7 +342,9 @@ async def replay(
                     hits = 0
             tally.blocks += len(keys)
             tally.hit_blocks += hits
-            tally.remote_hit_blocks += from_remote if hits else 0  # part of these hits
+            if hits:  # part of these hits
+                for label, n in below.items():
+                    tally.hit_blocks_by_tier[label] = tally.hit_blocks_by_tier.get(label, 0) + n
             store: JobHandle | None = None
             if hits < len(keys):
                 pages.fill(first + hits, seeds[hits:])  # "compute" what was not loaded
@@ -324,10 +369,12 @@ async def replay(
             if progress is not None:
                 progress(tally.done, len(request_keys), tally.hit_blocks, tally.blocks)
 
-    remote = options.remote is not None
+    chained = bool(engine.tiers)
+    opened: dict[str, ScanResult] = {}
     async with engine, contextlib.AsyncExitStack() as services:
-        if remote:
-            tier = engine.secondary
+        for tier in engine.tiers:
+            if isinstance(tier, DiskTier):
+                opened[tier.label] = await tier.open()  # what a previous run left, now
             connect = getattr(tier, "connect", None)
             if connect is not None:
                 await connect()  # a wrong URL or password: one clear error, now
@@ -343,11 +390,13 @@ async def replay(
             await anyio.sleep(options.hold)
     final = engine.statistics()  # after close: the last batch and writes are counted
     events = final.events
-    remote_stats = final.secondary
-    dropped = _writes_dropped(remote_stats) if remote_stats is not None else {}
+    reports = [_tier_report(t, tally.hit_blocks_by_tier, opened) for t in final.tiers]
+    remote = next((r for r in reports if r.label == "remote"), None)
     events_dropped = stats.events_dropped_total
     if events is not None:
         events_dropped += sum(sink.dropped_total for sink in events.sinks)
+    below = sum(r.hit_blocks for r in reports)
+    by_tier = {"cpu": tally.hit_blocks - below, **{r.label: r.hit_blocks for r in reports}}
     return ReplayResult(
         requests=len(request_keys),
         blocks=tally.blocks,
@@ -368,20 +417,48 @@ async def replay(
         seconds=seconds,
         events_published=events.events_total if events is not None else 0,
         events_dropped=events_dropped,
-        remote_hit_blocks=tally.remote_hit_blocks,
-        remote_read_bytes=remote_stats.tier.read_bytes_total if remote_stats else 0,
-        remote_write_bytes=remote_stats.tier.write_bytes_total if remote_stats else 0,
-        remote_errors=remote_stats.tier.errors_total if remote_stats else 0,
-        remote_writes_dropped=sum(dropped.values()),
-        remote_writes_dropped_by_reason=dropped,
-        remote_rejected=remote_stats.tier.rejected_total if remote_stats else 0,
-        remote_rejected_by_reason=remote_stats.tier.rejected_by_reason if remote_stats else {},
-        remote_refused_by_reason=remote_stats.tier.refused_by_reason if remote_stats else {},
+        remote_hit_blocks=remote.hit_blocks if remote else 0,
+        remote_read_bytes=remote.read_bytes if remote else 0,
+        remote_write_bytes=remote.write_bytes if remote else 0,
+        remote_errors=remote.errors if remote else 0,
+        remote_writes_dropped=remote.writes_dropped if remote else 0,
+        remote_writes_dropped_by_reason=remote.writes_dropped_by_reason if remote else {},
+        remote_rejected=remote.rejected if remote else 0,
+        remote_rejected_by_reason=remote.rejected_by_reason if remote else {},
+        remote_refused_by_reason=remote.refused_by_reason if remote else {},
+        hit_blocks_by_tier=by_tier,
+        tiers=reports,
         capacity_chunks=engine.manager.capacity,
         cpu_bytes=engine.manager.capacity * engine.layout.row_bytes,
         policy=options.policy,
         backend=engine.backend_name,
         concurrency=options.concurrency,
+    )
+
+
+def _tier_report(
+    stats: SecondaryTierStatistics, hit_blocks: dict[str, int], opened: dict[str, ScanResult]
+) -> TierReport:
+    t = stats.tier
+    dropped = _writes_dropped(stats)
+    scan = opened.get(stats.label)
+    return TierReport(
+        label=stats.label,
+        hit_blocks=hit_blocks.get(stats.label, 0),
+        read_bytes=t.read_bytes_total,
+        write_bytes=t.write_bytes_total,
+        errors=t.errors_total,
+        writes_dropped=sum(dropped.values()),
+        writes_dropped_by_reason=dropped,
+        rejected=t.rejected_total,
+        rejected_by_reason=t.rejected_by_reason,
+        refused_by_reason=t.refused_by_reason,
+        lost=t.lost_total,
+        chunks=t.chunks,
+        used_bytes=t.used_bytes,
+        capacity_bytes=t.capacity_bytes,
+        found_at_open=len(scan.values) if scan is not None else None,
+        dropped_at_open=dict(scan.dropped) if scan is not None else {},
     )
 
 
@@ -421,10 +498,26 @@ def _check_kv_fits(options: ReplayOptions, max_blocks: int) -> None:
         )
 
 
-def _remote_tier(url: str) -> Callable[[RemoteNamespace], SecondaryTier]:
-    from tiering.secondary.redis import RedisTier  # redis-py: only when used
+def _tiers(options: ReplayOptions) -> list[Callable[[RemoteNamespace], SecondaryTier]]:
+    """The tiers below the CPU tier, in order: the disk, then the remote tier."""
+    tiers: list[Callable[[RemoteNamespace], SecondaryTier]] = []
+    if options.disk is not None and options.disk_bytes is not None:
+        tiers.append(
+            functools.partial(
+                _disk_tier, options.disk, options.disk_bytes, fsync=options.disk_fsync
+            )
+        )
+    if options.remote is not None:
+        from tiering.secondary.redis import RedisTier  # redis-py: only when used
 
-    return functools.partial(RedisTier, url)
+        tiers.append(functools.partial(RedisTier, options.remote))
+    return tiers
+
+
+def _disk_tier(
+    path: str, capacity_bytes: int, namespace: RemoteNamespace, *, fsync: str
+) -> DiskTier:
+    return DiskTier(path, capacity_bytes, namespace, fsync=fsync)
 
 
 def _row_bytes(config: OffloadingConfig, kv: torch.Tensor) -> int:

@@ -140,3 +140,22 @@ def test_a_full_redis_is_shown_in_the_summary_by_reason(own_redis_server: RedisS
     assert "backing off" in line
     assert "commands refused by the store: " in line  # reads' refusals would show here too
     assert summary["remote_refused_by_reason"]["OOM"] == dropped["refused OOM"]
+
+
+def _disk(folder: Path) -> list[str]:
+    return ["--disk", str(folder), "--disk-bytes", str(1 << 30)]
+
+
+def test_disk_then_redis_each_hit_counted_where_it_came_from(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    first = replay(redis_server.url, *_disk(tmp_path / "one"), "--remote-namespace", "chain")
+    assert first["hit_blocks_by_tier"].keys() == {"cpu", "disk", "remote"}
+    assert [t["label"] for t in first["tiers"]] == ["disk", "remote"]
+    # A new disk: what the first run wrote through to Redis comes back from there.
+    second = replay(redis_server.url, *_disk(tmp_path / "two"), "--remote-namespace", "chain")
+    by_tier = second["hit_blocks_by_tier"]
+    assert by_tier["remote"] > first["hit_blocks_by_tier"]["remote"]
+    assert sum(by_tier.values()) == second["hit_blocks"]
+    assert second["corrupt_chunks"] == 0
+    assert all(t["errors"] == 0 and t["rejected"] == 0 for t in second["tiers"])
