@@ -96,7 +96,8 @@ class MemoryTier(SecondaryTier):
 
     ``timeout_s`` bounds how long a call waits while the tier is paused.
     ``locality`` says what KV events should report (``LOCAL`` by default; a
-    test standing in for a shared store may say ``REMOTE``).
+    test standing in for a shared store may say ``REMOTE``); ``label`` names it
+    in a chain of tiers (``remote`` by default; ``disk`` to stand in for one).
     """
 
     name = "memory"
@@ -110,6 +111,7 @@ class MemoryTier(SecondaryTier):
         timeout_s: float = 5.0,
         locality: Locality = Locality.LOCAL,
         medium: Medium = Medium.STORAGE,
+        label: str = "remote",
     ) -> None:
         if store is not None and capacity is not None:
             raise ConfigError("give either a shared store or a capacity, not both")
@@ -120,6 +122,7 @@ class MemoryTier(SecondaryTier):
         self.timeout_s = timeout_s
         self.locality = locality
         self.medium = medium
+        self.label = label
         self._counters = TierCounters()
         self._state = TierState.UP
         self._available = True
