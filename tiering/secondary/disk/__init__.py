@@ -174,10 +174,10 @@ class DiskTier(SecondaryTier):
         self._files = DiskFiles(
             self.path, self.codec, fsync=fsync, direct=False, read_only=read_only
         )
-        if not read_only:
-            self._files.lock()
         self._health = HealthGate(backoff_s)
         self._write_gate = HealthGate(backoff_s)  # refused writes back off on their own
+        if not read_only:
+            self._files.lock()  # last: a bad option raised above leaves the folder free
         self._counters = TierCounters()
         self._closed = False
         self._opened = False

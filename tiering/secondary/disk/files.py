@@ -461,7 +461,8 @@ class DiskFiles:
     ) -> None:
         """Read each item's value: the head first (checked), then the payload straight into
         its row, under ``guard``; the checksum is checked in the row. ``touch`` sets each
-        read file's time (the order the index is rebuilt in at the next open)."""
+        read file's time (the order the index is rebuilt in at the next open), unless
+        read-only: a reader changes nothing on disk."""
         self.check_folder()
         for position, (key, row) in enumerate(items):
             if guard.abandoned:
@@ -486,7 +487,7 @@ class DiskFiles:
             if verdict is not Verdict.OK and not self.read_only:
                 with contextlib.suppress(OSError):
                     self.os.unlink(path)  # never loaded, and never offered again
-            elif verdict is Verdict.OK and touch:
+            elif verdict is Verdict.OK and touch and not self.read_only:
                 with contextlib.suppress(OSError):
                     os.utime(path)
 
