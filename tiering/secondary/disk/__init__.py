@@ -387,10 +387,20 @@ class DiskTier(SecondaryTier):
         items = [(k, r) for k, r in rows if k not in self._writing and k not in self._unlinking]
         protected = self._protected(items)
         victims, new = self._make_room(items, protected)
-        while victims is None:
-            # No room for all: keep the head of the batch (a prefix is what gets reused).
-            items = items[: len(items) // 2]
+        if victims is None:
+            # No room for all: the longest head of the batch that fits (a prefix is
+            # what gets reused), found in O(log n) tries; a failed try changes nothing.
+            fits, fails = 0, len(items)
+            while fails - fits > 1:
+                middle = (fits + fails) // 2
+                if self._make_room(items[:middle], protected, dry_run=True)[0] is None:
+                    fails = middle
+                else:
+                    fits = middle
+            items = items[:fits]
             victims, new = self._make_room(items, protected)
+            if victims is None:  # the policy would not give what the count promised
+                items, new, victims = [], [], []
         no_room = len(rows) - busy - len(items)
         victims += self._take_trash()
         reserved = sum(self._value_bytes(k) for k in new)
@@ -425,12 +435,22 @@ class DiskTier(SecondaryTier):
         return written
 
     def _make_room(
-        self, items: list[tuple[OffloadKey, memoryview]], protected: set[OffloadKey]
+        self,
+        items: list[tuple[OffloadKey, memoryview]],
+        protected: set[OffloadKey],
+        *,
+        dry_run: bool = False,
     ) -> tuple[list[OffloadKey] | None, list[OffloadKey]]:
-        """Victims that make room for ``items``' new values (None: not possible), and those."""
+        """Victims that make room for ``items``' new values (None: not possible), and those
+        new keys. ``dry_run`` only says whether room can be made (victims stay)."""
         new = list(dict.fromkeys(k for k, _ in items if k not in self._sizes))
         need = self._used + self._reserved + sum(map(self._value_bytes, new))
-        return self._evict(need - self.capacity_bytes, protected), new
+        need -= self.capacity_bytes
+        if dry_run:
+            evictable = len(self.policy) - sum(1 for k in protected if k in self._sizes)
+            value = self._value_bytes(OffloadKey(bytes(16)))
+            return ([] if need <= 0 or math.ceil(need / value) <= evictable else None), new
+        return self._evict(need, protected), new
 
     def _value_bytes(self, key: OffloadKey) -> int:
         return self.row_bytes + head_bytes(self.codec, key)

@@ -376,18 +376,12 @@ class DiskFiles:
         """
         self.check_folder()
         o = self.os
-        for key in victims:
-            with guard.lock:
-                if guard.abandoned:
-                    return
-                with contextlib.suppress(FileNotFoundError):
-                    o.unlink(self.path(key))
-                out.unlinked += 1
+        spares = iter(victims)  # evicted values' files, recycled for new ones
         for position, (key, row) in enumerate(items):
             if guard.abandoned:
                 return
             try:
-                self._write_one(guard, position, key, row, out)
+                self._write_one(guard, position, key, row, out, spares)
             except DirectoryGone:
                 raise
             except OSError as exc:
@@ -396,20 +390,51 @@ class DiskFiles:
                         return
                     out.errors[position] = exc
                 if exc.errno in FULL_ERRNOS:
-                    return  # the rest would fail alike: the caller counts them so
+                    break  # the rest would fail alike: the caller counts them so
+        for victim in spares:  # more room freed than the new values take
+            with guard.lock:
+                if guard.abandoned:
+                    return
+                with contextlib.suppress(FileNotFoundError):
+                    o.unlink(self.path(victim))
+                out.unlinked += 1
 
     def _write_one(
-        self, guard: Guard, position: int, key: OffloadKey, row: memoryview, out: WriteOutcome
+        self,
+        guard: Guard,
+        position: int,
+        key: OffloadKey,
+        row: memoryview,
+        out: WriteOutcome,
+        spares: Iterator[OffloadKey],
     ) -> None:
+        """Write one value under a temporary name, then rename it into place.
+
+        The temporary file is an evicted value's file when there is one (renamed
+        away from its name first: making a file costs ten times what reusing one
+        does on ext4), else a new file.
+        """
         o = self.os
         final = self.path(key)
         tmp = final.with_name(f"{final.name}.{os.getpid()}-{next(_SEQUENCE)}{TMP_SUFFIX}")
         direct = self.direct and _aligned(row)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (_O_DIRECT if direct else 0)
-        fd = self._open_in_shard(tmp, flags)
+        flags = os.O_WRONLY | os.O_CLOEXEC | (_O_DIRECT if direct else 0)
+        size = head_bytes(self.codec, key)
+        fd = -1
+        if self._recycle(guard, spares, tmp, out):
+            with contextlib.suppress(FileNotFoundError):
+                fd = int(o.open(tmp, flags))
+                os.ftruncate(fd, size + row.nbytes)  # a no-op when the sizes agree
+        if guard.abandoned:
+            if fd >= 0:
+                os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            return
+        if fd < 0:
+            fd = self._open_in_shard(tmp, flags | os.O_CREAT | os.O_EXCL)
         renamed = False
         try:
-            size = head_bytes(self.codec, key)
             head = _head_buffer(size)
             with guard.lock:
                 if guard.abandoned:
@@ -439,18 +464,45 @@ class DiskFiles:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
 
+    def _recycle(
+        self, guard: Guard, spares: Iterator[OffloadKey], tmp: Path, out: WriteOutcome
+    ) -> bool:
+        """Move the next evicted value's file to ``tmp``; whether one was moved. Each
+        victim taken is gone from its name (counted in ``out.unlinked``)."""
+        for victim in spares:
+            with guard.lock:
+                if guard.abandoned:
+                    return False
+                try:
+                    self.os.rename(self.path(victim), tmp)
+                except FileNotFoundError:
+                    out.unlinked += 1  # gone already (or its shard of the new name is new)
+                    if tmp.parent.is_dir():
+                        continue
+                    self._make_shard(tmp.parent)
+                    with contextlib.suppress(FileNotFoundError):
+                        self.os.rename(self.path(victim), tmp)
+                        return True
+                    continue
+                out.unlinked += 1
+                return True
+        return False
+
     def _open_in_shard(self, path: Path, flags: int) -> int:
         try:
             return int(self.os.open(path, flags, 0o644))
         except FileNotFoundError:
             pass
+        self._make_shard(path.parent)
+        return int(self.os.open(path, flags, 0o644))
+
+    def _make_shard(self, shard: Path) -> None:
         try:
-            os.mkdir(path.parent)  # never the namespace folder: gone means down
+            os.mkdir(shard)  # never the namespace folder: gone means down
         except FileExistsError:
             pass
         except FileNotFoundError:
             raise DirectoryGone(errno.ENOENT, f"the folder {self.folder} is gone") from None
-        return int(self.os.open(path, flags, 0o644))
 
     def read(
         self,
