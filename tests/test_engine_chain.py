@@ -7,11 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import anyio
+import msgspec
 import pytest
 import torch
 
 from tiering import ConfigError
 from tiering.engine import Promotion, TieringEngine
+from tiering.events import BlockRemoved, BlockStored, SequencedBatch
 from tiering.secondary import Locality, MemoryStore, MemoryTier, RemoteNamespace
 from tiering.secondary.disk import DiskTier
 from tiering.specs import GPULoadStoreSpec
@@ -140,3 +142,37 @@ async def test_a_real_disk_tier_below_an_engine_survives_the_engine(
     # Closed: the folder is free for the next owner.
     DiskTier(tmp_path / "disk", 1 << 20, RemoteNamespace(model="m", dtype="d", row_bytes=8,
              blocks_per_chunk=1))  # fmt: skip
+
+
+async def test_the_disk_tier_says_what_it_holds_and_what_it_evicts_as_kv_events(
+    anyio_backend: str, tmp_path: Path
+) -> None:
+    cfg = msgspec.structs.replace(config(), enable_kv_cache_events=True)
+    value = CHUNK_BYTES + 4096  # a value on disk: its row and a 4 KiB head
+    engine = TieringEngine(
+        cfg,
+        kv_caches(),
+        cpu_bytes=8 * CHUNK_BYTES,
+        secondary=lambda ns: DiskTier(tmp_path / "disk", 2 * value, ns, policy="lru"),
+    )
+    async with engine:
+        subscription = engine.subscribe()
+        await store(engine, 1, 2)
+        await store(engine, 3)  # the disk holds two: 1, the oldest, leaves it
+        seen: list[tuple[str, str, str | None]] = []
+        with anyio.fail_after(10):
+            while len(seen) < 7:
+                item = await subscription.__anext__()
+                assert isinstance(item, SequencedBatch)
+                for e in item.batch.events:
+                    if isinstance(e, BlockStored | BlockRemoved):
+                        seen.append((type(e).__name__, e.medium, e.locality))
+    assert seen == [
+        ("BlockStored", "CPU", None),
+        ("BlockStored", "CPU", None),
+        ("BlockStored", "STORAGE", "LOCAL"),
+        ("BlockStored", "STORAGE", "LOCAL"),
+        ("BlockStored", "CPU", None),
+        ("BlockRemoved", "STORAGE", "LOCAL"),
+        ("BlockStored", "STORAGE", "LOCAL"),
+    ]

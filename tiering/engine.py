@@ -263,6 +263,13 @@ class TieringEngine:
                         locality=str(tier.locality),
                     )
 
+            if self._events is not None:
+                for tier in tiers:  # a tier that knows what leaves it says so
+                    tier.on_removed = functools.partial(
+                        self._events.publish_removed_below,
+                        medium=tier.medium,
+                        locality=str(tier.locality),
+                    )
             if tiers:
                 self._secondary = TierChain(
                     tiers,

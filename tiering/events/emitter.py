@@ -32,7 +32,7 @@ import anyio.lowlevel
 
 from tiering._types import Medium, OffloadKey
 from tiering.config import OffloadingConfig
-from tiering.cpu.manager import ChunkEvent, ChunksStored, CPUOffloadingManager
+from tiering.cpu.manager import ChunkEvent, ChunksRemoved, ChunksStored, CPUOffloadingManager
 from tiering.errors import ConfigError, ResourceClosedError
 from tiering.events.bus import EventBus, EventSink, EventStatistics, EventSubscription
 from tiering.events.config import KVEventsConfig
@@ -200,6 +200,27 @@ class KVEventEmitter:
         if not keys:
             return
         self.publish_pending()
+        translator = self._below_translator(locality)
+        landed = self._landed
+        blocks = {k: landed.pop(k) for k in keys if k in landed} if landed else None
+        event = ChunksStored(keys=tuple(keys), medium=medium)
+        self._send(translator.translate([event], blocks))
+
+    def publish_removed_below(
+        self, keys: Sequence[OffloadKey], medium: Medium, locality: str
+    ) -> None:
+        """Publish that ``keys`` left a lower tier (evicted, or found damaged or gone),
+        after the CPU tier's pending events."""
+        if not keys:
+            return
+        self.publish_pending()
+        self._send(
+            self._below_translator(locality).translate(
+                [ChunksRemoved(keys=tuple(keys), medium=medium)]
+            )
+        )
+
+    def _below_translator(self, locality: str) -> EventTranslator:
         translator = self._below.get(locality)
         if translator is None:
             translator = self._below[locality] = EventTranslator(
@@ -208,10 +229,7 @@ class KVEventEmitter:
                 locality=locality,
                 self_describing=self._translator.self_describing,
             )
-        landed = self._landed
-        blocks = {k: landed.pop(k) for k in keys if k in landed} if landed else None
-        event = ChunksStored(keys=tuple(keys), medium=medium)
-        self._send(translator.translate([event], blocks))
+        return translator
 
     def _publish(self, events: Sequence[ChunkEvent]) -> None:
         wire: list[KVEvent] = []

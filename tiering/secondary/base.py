@@ -43,7 +43,7 @@ from __future__ import annotations
 import abc
 import enum
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -288,6 +288,10 @@ class SecondaryTier(AsyncResource):
     medium: Medium = Medium.STORAGE
     locality: Locality = Locality.REMOTE
     codec: ChunkCodec
+    #: Told the keys of values that left the tier (evicted, or found damaged or gone)
+    #: by a tier that knows (the disk tier; a Redis evicts on its own, unseen). The
+    #: engine sets it to announce them as KV events.
+    on_removed: Callable[[Sequence[OffloadKey]], None] | None = None
 
     @property
     def namespace(self) -> RemoteNamespace:

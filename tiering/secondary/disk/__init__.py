@@ -526,6 +526,7 @@ class DiskTier(SecondaryTier):
         for key in victims:
             self._used -= self._sizes.pop(key)
         self._evictions += len(victims)
+        self._removed(victims)
         return victims
 
     def _forget(self, key: OffloadKey) -> None:
@@ -533,6 +534,14 @@ class DiskTier(SecondaryTier):
         if size is not None:
             self._used -= size
             self.policy.remove([key])
+            self._removed([key])
+
+    def _removed(self, keys: Sequence[OffloadKey]) -> None:
+        if self.on_removed is not None and keys:
+            try:
+                self.on_removed(keys)
+            except Exception:  # an announcement never fails the tier
+                logger.exception("disk tier %s: announcing removed values failed", self.path)
 
     def _take_trash(self) -> list[OffloadKey]:
         trash = [k for k in self._trash if k not in self._sizes and k not in self._writing]
