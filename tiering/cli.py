@@ -27,9 +27,11 @@ from tiering.simulate import (
     Progress,
     ProgressBar,
     SimulationResult,
+    capacity_chunks,
     check_plotting,
     expand_policies,
     plot_hit_rates,
+    plot_hit_rates_by_tier,
     requests_to_keys,
     simulate_keys,
 )
@@ -53,6 +55,7 @@ __all__ = ["main"]
 _EXIT_USAGE = 2
 #: `tiering simulate --trace`'s capacities: the conversation trace's (README).
 _TRACE_CAPACITY_TOKENS = (1_000_000, 3_000_000, 10_000_000)
+_TIERS = ("cpu", "disk")  # `tiering simulate --disk-tokens`'s tiers, in its table
 _METRICS_HOST = "127.0.0.1"
 
 
@@ -220,10 +223,18 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     sim.add_argument(
+        "--disk-tokens",
+        type=_int_list,
+        metavar="N[,N...]",
+        help="also model a disk tier of N tokens below the CPU tier (as `tiering replay "
+        "--disk`), each capacity a run: promotion from it, write-through to it, hits by tier",
+    )
+    sim.add_argument(
         "--plot",
         metavar="FILE.png",
-        help="also draw hit rate against capacity per policy, the offline optimum dashed, "
-        "in the format the suffix names (.png, .svg, .pdf; needs matplotlib: the plot extra)",
+        help="also draw hit rate against capacity per policy, the offline optimum dashed "
+        "(with --disk-tokens: hit rate by tier against disk capacity), in the format the "
+        "suffix names (.png, .svg, .pdf; needs matplotlib: the plot extra)",
     )
     sim.add_argument(
         "--block-tokens",
@@ -351,18 +362,28 @@ def _run_simulate(args: argparse.Namespace) -> None:
     capacities = args.capacity_tokens or (
         _TRACE_CAPACITY_TOKENS if args.trace is not None else CAPACITY_TOKENS[args.workload]
     )
-    request_keys = requests_to_keys(requests)
     encoder = msgspec.json.Encoder()
     policies = expand_policies(args.policy)
-    runs = [(policy, capacity) for policy in policies for capacity in capacities]
-    if plot_format is not None and OPTIMAL not in policies:  # the plot always shows it
-        runs += [(OPTIMAL, capacity) for capacity in capacities]
+    disks: list[int | None] = list(args.disk_tokens or [None])
+    if args.disk_tokens is not None:  # before a long run
+        if OPTIMAL in policies:
+            raise _UsageError(
+                "the offline optimum models one tier; drop --disk-tokens or the optimal policy "
+                f"(--policy all includes it: list the others, {','.join(POLICY_NAMES)})"
+            )
+        for disk in args.disk_tokens:
+            capacity_chunks(disk, args.block_tokens, tier="disk")
+    request_keys = requests_to_keys(requests)
+    runs = [(p, c, d) for p in policies for c in capacities for d in disks]
+    if plot_format is not None and OPTIMAL not in policies and args.disk_tokens is None:
+        runs += [(OPTIMAL, capacity, None) for capacity in capacities]  # the plot shows it
     bar = ProgressBar() if not args.json and sys.stderr.isatty() else None
     results: list[SimulationResult] = []
-    for index, (policy, capacity) in enumerate(runs):
+    for index, (policy, capacity, disk) in enumerate(runs):
         progress = None
         if bar is not None:
-            bar.label = f"{policy} at {capacity:,} tokens ({index + 1}/{len(runs)}) "
+            on_disk = "" if disk is None else f", disk {disk:,}"
+            bar.label = f"{policy} at {capacity:,} tokens{on_disk} ({index + 1}/{len(runs)}) "
             progress = _run_of(bar, index, len(runs))
         result = simulate_keys(
             request_keys,
@@ -370,17 +391,22 @@ def _run_simulate(args: argparse.Namespace) -> None:
             policy=policy,
             block_tokens=args.block_tokens,
             progress=progress,
+            disk_tokens=disk,
         )
         if args.json and policy in policies:
             sys.stdout.buffer.write(encoder.encode(result) + b"\n")
             sys.stdout.flush()
         results.append(result)
     if not args.json:
-        print(_simulation_table(results[: len(policies) * len(capacities)], args, requests))
+        asked = len(policies) * len(capacities) * len(disks)
+        print(_simulation_table(results[:asked], args, requests))
     if args.plot is not None:
         source = Path(args.trace).name if args.trace is not None else f"{args.workload} workload"
         title = f"{source}: {len(requests):,} requests, {results[0].blocks:,} blocks"
-        plot_hit_rates(results, args.plot, title=title)
+        if args.disk_tokens is None:
+            plot_hit_rates(results, args.plot, title=title)
+        else:
+            plot_hit_rates_by_tier(results, args.plot, title=title)
         print(f"wrote {args.plot}", file=sys.stderr if args.json else sys.stdout)
 
 
@@ -571,21 +597,20 @@ def _run_events(args: argparse.Namespace) -> None:
 def _simulation_table(
     results: Sequence[SimulationResult], args: argparse.Namespace, requests: Sequence[Request]
 ) -> str:
-    header = ("policy", "capacity tokens", "chunks", "hit rate", "hit blocks", "evictions",
-              "store failures", "keys/s")  # fmt: skip
-    rows = [
-        (
-            r.policy,
-            f"{r.capacity_tokens:,}",
-            f"{r.capacity_chunks:,}",
-            f"{r.hit_rate:.2%}",
-            f"{r.hit_blocks:,}",
-            f"{r.evictions:,}",
-            f"{r.store_failures:,}",
-            f"{r.keys_per_s:,.0f}",
-        )
-        for r in results
-    ]
+    disk = args.disk_tokens is not None
+    header = ["policy", "capacity tokens", "chunks", "hit rate", "hit blocks", "evictions",
+              "store failures", "keys/s"]  # fmt: skip
+    if disk:  # the hit rate by tier, after the disk's capacity
+        header[3:4] = ["disk tokens", "hit rate", "cpu hits", "disk hits"]
+    rows = []
+    for r in results:
+        row = [r.policy, f"{r.capacity_tokens:,}", f"{r.capacity_chunks:,}", f"{r.hit_rate:.2%}",
+               f"{r.hit_blocks:,}", f"{r.evictions:,}", f"{r.store_failures:,}",
+               f"{r.keys_per_s:,.0f}"]  # fmt: skip
+        if disk:
+            cpu, on_disk = (r.hit_blocks_by_tier.get(t, 0) / (r.blocks or 1) for t in _TIERS)
+            row[3:4] = [f"{r.disk_tokens or 0:,}", row[3], f"{cpu:.2%}", f"{on_disk:.2%}"]
+        rows.append(row)
     widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
     lines = [
         "  ".join(
@@ -595,13 +620,29 @@ def _simulation_table(
         for row in (header, *rows)
     ]
     lines.insert(1, "-" * len(lines[0]))
+    scope = f"{_scope(args, requests)}, {results[0].blocks:,} blocks of {args.block_tokens} tokens"
+    if not disk:
+        lines.append(
+            f"{scope}, one request at a time (as `tiering replay --concurrency 1`, which hits "
+            "the same)"
+        )
+        lines.append(
+            "hit rate: blocks found in the CPU tier / all blocks; chunks: blocks it holds; "
+            "store failures: requests that found no room; keys/s: blocks simulated per second"
+        )
+        return "\n".join(lines)
     lines.append(
-        f"{_scope(args, requests)}, {results[0].blocks:,} blocks of {args.block_tokens} "
-        "tokens, one request at a time (as `tiering replay --concurrency 1`, which hits the same)"
+        f"{scope}, one request at a time, each write-through landed before the next (as "
+        "`tiering replay --disk --concurrency 1` while its writes keep up: it drops those it "
+        "falls behind on)"
     )
     lines.append(
-        "hit rate: blocks found in the CPU tier / all blocks; chunks: blocks it holds; "
-        "store failures: requests that found no room; keys/s: blocks simulated per second"
+        "disk hits: blocks the CPU tier lacked, read from the disk tier into it (the leading "
+        "run after the CPU hits); every chunk stored in the CPU tier is written through to it"
+    )
+    lines.append(
+        "hit rate: blocks found in either tier / all blocks (cpu hits + disk hits); chunks, "
+        "evictions, store failures: the CPU tier's; keys/s: blocks simulated per second"
     )
     return "\n".join(lines)
 
