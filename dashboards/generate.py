@@ -8,7 +8,10 @@ panel has the same datasource, selectors and layout conventions. Run
 
 Every query selects ``instance=~"$instance", engine=~"$engine"``; rates use
 Grafana's ``$__rate_interval``. The datasource is the ``datasource`` variable:
-no datasource uid is written into the JSON.
+no datasource uid is written into the JSON. The row of a tier below the CPU
+tier repeats once per value of the ``tier`` variable (every tier an engine
+has below its CPU tier: ``disk``, ``remote``), its queries selecting
+``tier=~"$tier"``.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ OUTPUT = Path(__file__).resolve().parent / "tiering.json"
 
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 SEL = 'instance=~"$instance", engine=~"$engine"'
+#: The selector of a tier row's queries: its one tier (the row repeats per tier).
+BELOW = f'tier=~"$tier", {SEL}'
 RATE = "$__rate_interval"
 WHO = "{{instance}} {{engine}}"
 BUCKETS = "tiering_transfer_seconds_bucket"
@@ -31,7 +36,8 @@ BY_LE = "instance, engine, direction, le"  # legend prefix: which engine of whic
 
 def legend(*parts: str) -> str:
     """A legend: the engine, then ``{{label}}`` for each label name, or the text of a word."""
-    words = [f"{{{{{p}}}}}" if p in ("tier", "direction", "outcome", "sink") else p for p in parts]
+    labels = ("tier", "direction", "outcome", "sink", "kind")
+    words = [f"{{{{{p}}}}}" if p in labels else p for p in parts]
     return " ".join([WHO, *words])
 
 
@@ -126,15 +132,25 @@ def gauge(title: str, description: str, query: dict[str, Any], *, w: int, h: int
 
 
 def stat(
-    title: str, description: str, query: dict[str, Any], *, unit: str, w: int, h: int
+    title: str,
+    description: str,
+    query: dict[str, Any],
+    *,
+    unit: str,
+    w: int,
+    h: int,
+    mappings: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
+    defaults: dict[str, Any] = {"unit": unit}
+    if mappings is not None:
+        defaults["mappings"] = mappings
     return {
         "type": "stat",
         "title": title,
         "description": description,
         "datasource": DATASOURCE,
         "gridPos": {"h": h, "w": w},
-        "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+        "fieldConfig": {"defaults": defaults, "overrides": []},
         "options": {
             "colorMode": "none",
             "graphMode": "none",
@@ -162,12 +178,163 @@ def table(title: str, description: str, query: dict[str, Any], *, w: int, h: int
     }
 
 
-def row(title: str) -> dict[str, Any]:
-    return {"type": "row", "title": title, "collapsed": False, "panels": [], "gridPos": {"h": 1}}
+def row(title: str, *, repeat: str | None = None) -> dict[str, Any]:
+    """A row; with ``repeat``, Grafana repeats it and the panels under it per value of
+    that variable."""
+    panel: dict[str, Any] = {
+        "type": "row",
+        "title": title,
+        "collapsed": False,
+        "panels": [],
+        "gridPos": {"h": 1},
+    }
+    if repeat is not None:
+        panel["repeat"] = repeat
+    return panel
+
+
+#: The value mappings of ``tiering_tier_up``.
+UP_DOWN = [
+    {
+        "type": "value",
+        "options": {
+            "0": {"text": "down", "color": "red", "index": 0},
+            "1": {"text": "up", "color": "green", "index": 1},
+        },
+    }
+]
+
+
+def tier_row() -> list[dict[str, Any]]:
+    """A tier below the CPU tier: is it paying off (hits served), and is it healthy?
+
+    One row, repeated per value of ``tier``: each copy answers for one tier.
+    """
+    by = "instance, engine, tier"
+    return [
+        row("Tier $tier (below the CPU tier)", repeat="tier"),
+        timeseries(
+            "Tier hit ratio",
+            "Chunks this tier held when asked, over all it was asked about (CPU-tier "
+            "misses, or the misses of the tiers above it in the chain).",
+            targets(
+                (
+                    rate("tiering_lookups_total", by, f'result="hit", {BELOW}')
+                    + " / "
+                    + rate("tiering_lookups_total", by, BELOW),
+                    legend("tier"),
+                )
+            ),
+            unit="percentunit",
+            max_value=1,
+            w=6,
+            h=7,
+        ),
+        timeseries(
+            "Hits served/s",
+            "Chunks promoted from this tier into the CPU tier per second: its hits as the "
+            "engine served them (each saves recomputing a chunk). Failed: chunks it claimed "
+            "but could not give.",
+            targets(
+                (
+                    rate("tiering_jobs_total", by, f'direction="load", outcome="ok", {BELOW}'),
+                    legend("tier", "promoted"),
+                ),
+                (
+                    rate("tiering_jobs_total", by, f'direction="load", outcome="failed", {BELOW}'),
+                    legend("tier", "promote failed"),
+                ),
+            ),
+            axis="chunks/s",
+            w=6,
+            h=7,
+        ),
+        timeseries(
+            "Tier throughput",
+            "Bytes per second read from this tier into the CPU tier (load) and written "
+            "through to it (store).",
+            targets(
+                (
+                    rate("tiering_transfer_bytes_total", f"{by}, direction", BELOW),
+                    legend("tier", "direction"),
+                ),
+            ),
+            unit="Bps",
+            w=6,
+            h=7,
+        ),
+        timeseries(
+            "Write-throughs/s",
+            "Chunks written through to this tier per second, by outcome: ok, failed (handed "
+            "to the tier and not written), rejected (dropped before, the tier being behind).",
+            targets(
+                (
+                    rate("tiering_jobs_total", f"{by}, outcome", f'direction="store", {BELOW}'),
+                    legend("tier", "outcome"),
+                ),
+            ),
+            axis="chunks/s",
+            w=6,
+            h=7,
+        ),
+        timeseries(
+            "Tier errors/s",
+            "What the tier did not serve, by kind: failed calls (unreachable, timeout), "
+            "unavailable (answered at once while down), busy (every worker busy), refused "
+            "(the store refused a command, e.g. OOM), rejected (a value that failed its "
+            "check: corruption; never loaded), lost (a value found gone: deleted behind its "
+            "back).",
+            targets(
+                (
+                    rate("tiering_tier_errors_total", f"{by}, kind", BELOW),
+                    legend("tier", "kind"),
+                ),
+            ),
+            axis="errors/s",
+            w=9,
+            h=6,
+        ),
+        stat(
+            "Tier up",
+            "Whether the tier is up; while down, it is asked nothing (misses, writes dropped) "
+            "but a probe now and then.",
+            target(f"tiering_tier_up{{{BELOW}}}", WHO, "A"),
+            unit="none",
+            w=3,
+            h=6,
+            mappings=UP_DOWN,
+        ),
+        gauge(
+            "Tier occupancy",
+            "Bytes held over capacity, for a tier that manages its own (disk). No data for "
+            "one that does not say (Redis evicts by its own policy).",
+            target(f"tiering_occupancy_ratio{{{BELOW}}}", WHO, "A"),
+            w=3,
+            h=6,
+        ),
+        stat(
+            "Tier chunks",
+            "Chunks the tier holds, where it says (disk).",
+            target(f"tiering_chunks_used{{{BELOW}}}", WHO, "A"),
+            unit="short",
+            w=3,
+            h=6,
+        ),
+        timeseries(
+            "Tier evictions/s",
+            "Chunks the tier evicted per second to make room, where it manages its capacity "
+            "(disk).",
+            targets((rate("tiering_evictions_total", by, BELOW), legend("tier"))),
+            axis="chunks/s",
+            w=6,
+            h=6,
+        ),
+    ]
 
 
 def panels() -> list[dict[str, Any]]:
     cpu = f'tier="cpu", {SEL}'
+    cpu_only = 'tier="cpu"'
     return [
         row("CPU tier"),
         timeseries(
@@ -209,7 +376,7 @@ def panels() -> list[dict[str, Any]]:
         timeseries(
             "Lookup hit ratio",
             "Chunk lookups that found a ready chunk, over all lookups (hit, pending, miss), "
-            "per tier: cpu, and remote (a secondary tier asked about CPU misses) if any.",
+            "per tier: cpu, and each tier below it (asked about the misses above it) if any.",
             targets(
                 (
                     rate("tiering_lookups_total", "instance, engine, tier", 'result="hit"')
@@ -224,7 +391,7 @@ def panels() -> list[dict[str, Any]]:
         timeseries(
             "Evictions/s",
             "Chunks evicted per second to make room for new stores.",
-            targets((rate("tiering_evictions_total", "instance, engine"), WHO)),
+            targets((rate("tiering_evictions_total", "instance, engine", cpu_only), WHO)),
             axis="chunks/s",
         ),
         timeseries(
@@ -234,11 +401,12 @@ def panels() -> list[dict[str, Any]]:
             targets((rate("tiering_allocation_failures_total", "instance, engine"), WHO)),
             axis="stores/s",
         ),
+        *tier_row(),
         row("Transfers"),
         timeseries(
             "Transfer throughput",
             "Bytes moved per second by finished jobs: store is GPU to CPU, load is CPU to GPU; "
-            "for a remote tier, store is written through from CPU and load read back into it.",
+            "for a tier below, store is written through from CPU and load read back into it.",
             targets(
                 (
                     rate("tiering_transfer_bytes_total", "instance, engine, tier, direction"),
@@ -273,8 +441,8 @@ def panels() -> list[dict[str, Any]]:
         timeseries(
             "Jobs/s by outcome",
             "ok, failed (a transfer error), cancelled (before any byte moved), "
-            "rejected (a store that found no room; remote: a write-through dropped, the "
-            "tier being behind). Remote series count chunks.",
+            "rejected (a store that found no room; a tier below: a write-through dropped, the "
+            "tier being behind). Series of the tiers below count chunks.",
             targets(
                 (
                     rate("tiering_jobs_total", "instance, engine, tier, direction, outcome"),
@@ -350,7 +518,7 @@ def layout(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def variables() -> list[dict[str, Any]]:
-    def query(name: str, label: str, promql: str) -> dict[str, Any]:
+    def query(name: str, label: str, promql: str, all_value: str | None = ".*") -> dict[str, Any]:
         return {
             "name": name,
             "label": label,
@@ -363,7 +531,7 @@ def variables() -> list[dict[str, Any]]:
             "sort": 1,
             "multi": True,
             "includeAll": True,
-            "allValue": ".*",
+            "allValue": all_value,
             "current": {},
             "options": [],
             "hide": 0,
@@ -383,6 +551,12 @@ def variables() -> list[dict[str, Any]]:
         },
         query("instance", "Instance", "label_values(tiering_info, instance)"),
         query("engine", "Engine", 'label_values(tiering_info{instance=~"$instance"}, engine)'),
+        # The tiers below the CPU tier (tiering_tier_up has no cpu series). All of them
+        # by default: the tier row repeats per value. "All" lists them, never cpu.
+        {
+            **query("tier", "Tier below", f"label_values(tiering_tier_up{{{SEL}}}, tier)", None),
+            "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+        },
     ]
 
 
@@ -410,7 +584,8 @@ def dashboard() -> dict[str, Any]:
             ]
         },
         "description": "tiering: the KV-cache CPU tier of each engine: occupancy, transfers, "
-        "lookups, evictions and KV cache events.",
+        "lookups, evictions and KV cache events; a row per tier below it (disk, remote): "
+        "hits served, flows, errors.",
         "editable": True,
         "fiscalYearStartMonth": 0,
         "graphTooltip": 1,

@@ -3,6 +3,7 @@ against a real Prometheus scraping a real `tiering replay`."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import re
@@ -16,7 +17,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import Any, TypeVar
+from typing import IO, Any, TypeVar
 
 import pytest
 import torch
@@ -110,7 +111,7 @@ def test_the_dashboard_is_importable_and_names_no_datasource_uid() -> None:
     assert (board["uid"], board["title"]) == ("tiering-kv-cache", "tiering: KV-cache CPU tier")
     assert board["id"] is None  # import and provisioning assign it
     variables = {v["name"]: v for v in board["templating"]["list"]}
-    assert list(variables) == ["datasource", "instance", "engine"]
+    assert list(variables) == ["datasource", "instance", "engine", "tier"]
     assert (variables["datasource"]["type"], variables["datasource"]["query"]) == (
         "datasource",
         "prometheus",
@@ -168,6 +169,64 @@ def test_the_dashboard_has_the_panels_operators_need() -> None:
     } <= titles
 
 
+def tier_row(board: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The repeated row of the tiers below the CPU tier, and the panels under it."""
+    items = board["panels"]
+    start = next(i for i, p in enumerate(items) if p["type"] == "row" and p.get("repeat"))
+    end = next((i for i in range(start + 1, len(items)) if items[i]["type"] == "row"), len(items))
+    return items[start], items[start + 1 : end]
+
+
+def test_a_row_repeats_per_tier_below_the_cpu_tier_and_answers_whether_it_pays_off() -> None:
+    board = dashboard()
+    row, under = tier_row(board)
+    assert row["repeat"] == "tier"
+    assert "$tier" in row["title"]
+    assert not row["collapsed"]  # its panels follow it in the list, as Grafana repeats them
+    assert {p["title"] for p in under} == {
+        "Tier hit ratio",
+        "Hits served/s",
+        "Tier throughput",
+        "Write-throughs/s",
+        "Tier errors/s",
+        "Tier up",
+        "Tier occupancy",
+        "Tier chunks",
+        "Tier evictions/s",
+    }
+    # One row per tier on one screen: two lines of panels, no taller than 14 units.
+    top = min(p["gridPos"]["y"] for p in under)
+    assert max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in under) - top <= 14
+    # Every query of the row selects its tier, and only queries of the row do.
+    for panel in panels(board):
+        for target in panel.get("targets", []):
+            assert ('tier=~"$tier"' in target["expr"]) == (panel in under), panel["title"]
+    tier = next(v for v in board["templating"]["list"] if v["name"] == "tier")
+    assert tier["type"] == "query"
+    assert tier["definition"] == (
+        'label_values(tiering_tier_up{instance=~"$instance", engine=~"$engine"}, tier)'
+    )
+    assert tier["query"]["query"] == tier["definition"]
+    # All by default, and All means the tiers listed (never a regex that takes cpu in).
+    assert (tier["multi"], tier["includeAll"], tier["allValue"]) == (True, True, None)
+    assert tier["current"]["value"] == ["$__all"]
+
+
+def test_the_cpu_tier_panels_read_the_cpu_tier_only() -> None:
+    """Families that tiers below also export: a CPU-tier panel selects tier="cpu" or
+    splits by tier, never sums the tiers together."""
+    shared = {"tiering_evictions_total", "tiering_chunks_used", "tiering_occupancy_ratio",
+              "tiering_tier_bytes"}  # fmt: skip
+    _, under = tier_row(dashboard())
+    for panel in panels(dashboard()):
+        if panel in under:
+            continue
+        for target in panel.get("targets", []):
+            expr = target["expr"]
+            if families_in(expr) & shared:
+                assert 'tier="cpu"' in expr or "tier)" in expr, (panel["title"], expr)
+
+
 def test_every_name_in_dashboards_is_exported_and_every_family_is_used() -> None:
     exported = {line.split()[2] for line in exposition().splitlines() if line.startswith("# HELP")}
     assert exported == set(FAMILIES)
@@ -192,9 +251,11 @@ def test_promtool_checks_the_rules() -> None:
     assert f"SUCCESS: {ALERTS.read_text().count('- alert:')} rules found" in out.stdout
 
 
-def test_promtool_unit_tests_fire_the_tier_full_alert() -> None:
+def test_promtool_unit_tests_fire_every_alert() -> None:
     promtool = require_binary("promtool", "prometheus")
-    assert "alertname: TieringTierFull" in ALERTS_TEST.read_text()
+    cases = ALERTS_TEST.read_text()
+    for name in re.findall(r"- alert: (\w+)", ALERTS.read_text()):
+        assert f"alertname: {name}" in cases, f"no promtool case for {name}"
     out = subprocess.run(
         [promtool, "test", "rules", str(ALERTS_TEST)],
         capture_output=True,
@@ -242,47 +303,56 @@ def stop(process: subprocess.Popen[bytes]) -> None:
             process.wait()
 
 
-def test_every_query_runs_against_a_real_prometheus(tmp_path: Path) -> None:
-    prometheus = require_binary("prometheus", "prometheus")
-    metrics_port, web_port = free_port(), free_port()
-    base = f"http://127.0.0.1:{web_port}"
-    target = f"127.0.0.1:{metrics_port}"
-    config = tmp_path / "prometheus.yml"
-    config.write_text(
-        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-        f"rule_files:\n  - {ALERTS}\n"
-        "scrape_configs:\n  - job_name: tiering\n"
-        f"    static_configs:\n      - targets: ['{target}']\n"
-    )
-    logs = {name: (tmp_path / f"{name}.log").open("wb") for name in ("prometheus", "replay")}
-    replay_args = ["--workload", "chat", "--requests", "1000", "--bytes-per-token", "16",
-                   "--capacity-tokens", str(100 * 512), "--metrics-port", str(metrics_port),
-                   "--hold", "300", "--json"]  # fmt: skip
-    prometheus_args = [
-        f"--config.file={config}",
-        f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-        f"--web.listen-address=127.0.0.1:{web_port}",
-        "--log.level=warn",
-    ]
-    processes = {
-        "prometheus": subprocess.Popen(
-            [prometheus, *prometheus_args], stdout=logs["prometheus"], stderr=subprocess.STDOUT
-        ),
-        "replay": subprocess.Popen(
-            [sys.executable, "-m", "tiering", "replay", *replay_args],
-            stdout=logs["replay"],
-            stderr=subprocess.STDOUT,
-        ),
-    }
+class Servers:
+    """Server processes of one test (Prometheus, a replay), with their logs under ``tmp_path``.
+
+    `wait_for` fails the test, with the log, as soon as one of them exits.
+    """
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self._logs: list[IO[bytes]] = []
+
+    def start(self, name: str, args: list[str]) -> None:
+        log = (self.tmp_path / f"{name}.log").open("wb")
+        self._logs.append(log)
+        self.processes[name] = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+
+    def start_prometheus(self, target: str) -> str:
+        """A Prometheus scraping ``target`` every second as job ``tiering``, with the
+        rules loaded; its API's base URL once it is ready."""
+        prometheus = require_binary("prometheus", "prometheus")
+        web_port = free_port()
+        config = self.tmp_path / "prometheus.yml"
+        config.write_text(
+            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+            f"rule_files:\n  - {ALERTS}\n"
+            "scrape_configs:\n  - job_name: tiering\n"
+            f"    static_configs:\n      - targets: ['{target}']\n"
+        )
+        self.start(
+            "prometheus",
+            [
+                prometheus,
+                f"--config.file={config}",
+                f"--storage.tsdb.path={self.tmp_path / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{web_port}",
+                "--log.level=warn",
+            ],
+        )
+        base = f"http://127.0.0.1:{web_port}"
+        self.wait_for("prometheus to be ready", lambda: fetch(f"{base}/-/ready"))
+        return base
 
     def wait_for(
-        what: str, check: Callable[[], T | None], seconds: float = 60, detail: object = ""
+        self, what: str, check: Callable[[], T | None], seconds: float = 60, detail: object = ""
     ) -> T:
         deadline = time.monotonic() + seconds
         while True:
-            for name, process in processes.items():
+            for name, process in self.processes.items():
                 if process.poll() is not None:
-                    log = (tmp_path / f"{name}.log").read_text()[-2000:]
+                    log = (self.tmp_path / f"{name}.log").read_text()[-2000:]
                     pytest.fail(
                         f"{name} exited ({process.returncode}) while waiting for {what}:\n{log}"
                     )
@@ -297,74 +367,135 @@ def test_every_query_runs_against_a_real_prometheus(tmp_path: Path) -> None:
                 pytest.fail(f"timed out after {seconds} s waiting for {what}{still}")
             time.sleep(0.2)
 
+    def close(self) -> None:
+        for process in self.processes.values():
+            stop(process)
+        for log in self._logs:
+            log.close()
+
+
+@contextlib.contextmanager
+def servers(tmp_path: Path) -> Iterator[Servers]:
+    running = Servers(tmp_path)
     try:
-        wait_for("prometheus to be ready", lambda: fetch(f"{base}/-/ready"))
+        yield running
+    finally:
+        running.close()
 
-        def target_up() -> bool:
-            active = api(base, "/api/v1/targets")["activeTargets"]
-            return any(t["labels"]["job"] == "tiering" and t["health"] == "up" for t in active)
 
-        wait_for("the replay's metrics to be scraped", target_up)
+def sampled_families(text: str) -> dict[str | None, set[str]]:
+    """The families an exposition has samples of: all (key None) and per ``tier`` label."""
+    sampled: dict[str | None, set[str]] = {None: set()}
+    for family in text_string_to_metric_families(text):
+        name = family.name + ("_total" if family.type == "counter" else "")
+        for sample in family.samples:
+            sampled[None].add(name)
+            if "tier" in sample.labels:
+                sampled.setdefault(sample.labels["tier"], set()).add(name)
+    return sampled
 
-        # The families the target exports with samples (event ones only with events on).
-        text = fetch(f"http://{target}/metrics").decode()
-        sampled = {
-            family.name + ("_total" if family.type == "counter" else "")
-            for family in text_string_to_metric_families(text)
-            if family.samples
-        }
-        assert "tiering_chunks_used" in sampled
 
-        # The dashboard's variables.
-        instances = api(base, "/api/v1/label/instance/values", **{"match[]": "tiering_info"})
-        assert instances == [target]
-        engines = api(
-            base,
-            "/api/v1/label/engine/values",
-            **{"match[]": f'tiering_info{{instance=~"{target}"}}'},
+def check_every_query_and_rule(
+    running: Servers, base: str, target: str, *, engine: str, tiers: list[str]
+) -> set[str]:
+    """Every dashboard query and rule against the Prometheus at ``base`` scraping ``target``;
+    the queries that never had a sample to read (the caller says which may not).
+
+    The variables list ``target``, ``engine`` and ``tiers`` (the tiers below the CPU
+    tier). A query of the tier row runs once per tier, ``$tier`` set to it. Each
+    must parse and run; each must return data except where every family it reads
+    has no sample at the target (of that tier, for a tier row's query): the
+    event families while events are off, what a tier that does not say what it
+    holds leaves out, every tier row's query when there is no tier below.
+    """
+    text = fetch(f"http://{target}/metrics").decode()
+    sampled = sampled_families(text)
+    assert "tiering_chunks_used" in sampled[None]
+
+    # The dashboard's variables.
+    instances = api(base, "/api/v1/label/instance/values", **{"match[]": "tiering_info"})
+    assert instances == [target]
+    engines = api(
+        base,
+        "/api/v1/label/engine/values",
+        **{"match[]": f'tiering_info{{instance=~"{target}"}}'},
+    )
+    assert engines == [engine]
+    variables = {v["name"]: v for v in dashboard()["templating"]["list"]}
+    tier_query = re.fullmatch(r"label_values\((.*), tier\)", variables["tier"]["definition"])
+    assert tier_query is not None
+
+    def substitute(expr: str, tier: str = "") -> str:
+        return (
+            expr.replace("$__rate_interval", "5s")
+            .replace("$instance", target)
+            .replace("$engine", engine)
+            .replace("$tier", tier)
         )
-        assert engines == ["0"]  # the first engine of the replay's process
 
-        def substitute(expr: str) -> str:
-            return (
-                expr.replace("$__rate_interval", "5s")
-                .replace("$instance", target)
-                .replace("$engine", engines[0])
-            )
+    found = api(base, "/api/v1/label/tier/values", **{"match[]": substitute(tier_query[1])})
+    assert found == sorted(tiers)
 
-        queries = dashboard_queries(dashboard())
-        # A query may return no data only when every family it reads has no
-        # sample at the target: the event families while events are off.
-        excused = {expr for _, expr in queries if not families_in(expr) & sampled}
-        assert all(families_in(expr) <= EVENT_FAMILIES for expr in excused), excused
-        waiting = {expr for _, expr in queries} - excused
+    # (query, tier) pairs to run; the tier is "" for a query outside the tier row.
+    runs = {
+        (expr, tier)
+        for _, expr in dashboard_queries(dashboard())
+        for tier in (tiers if "$tier" in expr else [""])
+    }
+    excused = {(e, t) for e, t in runs if not families_in(e) & sampled.get(t or None, set())}
+    untested = {e for _, e in dashboard_queries(dashboard())} - {e for e, t in runs - excused}
+    waiting = runs - excused
 
-        def all_return_data() -> bool:
-            for _, expr in queries:  # each must parse and run, every time
-                if api(base, "/api/v1/query", query=substitute(expr))["result"]:
-                    waiting.discard(expr)
-            return not waiting
+    def all_return_data() -> bool:
+        for expr, tier in sorted(runs):  # each must parse and run, every time
+            if api(base, "/api/v1/query", query=substitute(expr, tier))["result"]:
+                waiting.discard((expr, tier))
+        return not waiting
 
-        wait_for("every dashboard query to return data", all_return_data, 30, waiting)
+    running.wait_for("every dashboard query to return data", all_return_data, 30, waiting)
 
-        capacity = api(base, "/api/v1/query", query=substitute(
-            'tiering_chunks_capacity{instance=~"$instance", engine=~"$engine"}'
+    # Every rule: loaded, evaluated without error, and its query runs.
+    def rules_evaluated() -> list[dict[str, Any]] | None:
+        rules = [r for g in api(base, "/api/v1/rules")["groups"] for r in g["rules"]]
+        return rules if all(r["health"] == "ok" for r in rules) else None
+
+    rules = running.wait_for("every rule to be evaluated", rules_evaluated, 30)
+    assert sorted(r["name"] for r in rules) == sorted(
+        re.findall(r"- alert: (\w+)", ALERTS.read_text())
+    )
+    for rule in rules:
+        api(base, "/api/v1/query", query=rule["query"])
+    return untested
+
+
+def event_queries_only(untested: set[str]) -> bool:
+    return all(families_in(expr) <= EVENT_FAMILIES for expr in untested)
+
+
+def wait_until_scraped(running: Servers, base: str) -> None:
+    def target_up() -> bool:
+        active = api(base, "/api/v1/targets")["activeTargets"]
+        return any(t["labels"]["job"] == "tiering" and t["health"] == "up" for t in active)
+
+    running.wait_for("the target's metrics to be scraped", target_up)
+
+
+def test_every_query_runs_against_a_real_prometheus(tmp_path: Path) -> None:
+    require_binary("prometheus", "prometheus")
+    metrics_port = free_port()
+    target = f"127.0.0.1:{metrics_port}"
+    replay_args = ["--workload", "chat", "--requests", "1000", "--bytes-per-token", "16",
+                   "--capacity-tokens", str(100 * 512), "--metrics-port", str(metrics_port),
+                   "--hold", "300", "--json"]  # fmt: skip
+    with servers(tmp_path) as running:
+        running.start("replay", [sys.executable, "-m", "tiering", "replay", *replay_args])
+        base = running.start_prometheus(target)
+        wait_until_scraped(running, base)
+        # The first engine of the replay's process, no tier below its CPU tier (the
+        # tier row is checked against two in tests/test_dashboards_tiers.py).
+        untested = check_every_query_and_rule(running, base, target, engine="0", tiers=[])
+        assert event_queries_only({e for e in untested if "$tier" not in e}), untested
+        capacity = api(base, "/api/v1/query", query=(
+            f'tiering_chunks_capacity{{instance=~"{target}", engine=~"0"}}'
         ))["result"]  # fmt: skip
         assert [float(s["value"][1]) for s in capacity] == [100.0]
-
-        # Every rule: loaded, evaluated without error, and its query runs.
-        def rules_evaluated() -> list[dict[str, Any]] | None:
-            rules = [r for g in api(base, "/api/v1/rules")["groups"] for r in g["rules"]]
-            return rules if all(r["health"] == "ok" for r in rules) else None
-
-        rules = wait_for("every rule to be evaluated", rules_evaluated, 30)
-        assert sorted(r["name"] for r in rules) == sorted(
-            re.findall(r"- alert: (\w+)", ALERTS.read_text())
-        )
-        for rule in rules:
-            api(base, "/api/v1/query", query=rule["query"])
-    finally:
-        for process in processes.values():
-            stop(process)
-        for log in logs.values():
-            log.close()

@@ -24,12 +24,19 @@ Design note: a pull collector, one registry per engine.
   sample while there is no sink, so dashboards and rules see the same names
   either way.
 
+- Every tier below the CPU tier (``statistics().tiers``, in chain order; a
+  source without ``tiers`` is read through its ``secondary``) exports the same
+  families as the CPU tier where they mean the same thing, under its own
+  ``tier`` label (``disk``, ``remote``): its flows, its lookups, and what it
+  holds where it says (a disk tier does, Redis does not: no sample then).
+
 Names follow the Prometheus conventions: ``tiering_`` prefix, base units
 (bytes, seconds), ``_total`` counters, ``_ratio`` fractions. Every series has an
-``engine`` label; the tier's series have ``tier="cpu"`` and the transfer series
-``direction`` (``store``: GPU to CPU, ``load``: CPU to GPU). `FAMILIES` lists
-the families; `UNDASHBOARDED` those that no panel or rule of ``dashboards/``
-uses on purpose.
+``engine`` label; the CPU tier's series have ``tier="cpu"``, a tier below it
+``tier=<its label>``, and the transfer series ``direction`` (``store``: GPU to
+CPU, or CPU to the tier below; ``load``: CPU to GPU, or the tier below to CPU).
+`FAMILIES` lists the families; `UNDASHBOARDED` those that no panel or rule of
+``dashboards/`` uses on purpose.
 """
 
 from __future__ import annotations
@@ -95,14 +102,30 @@ FAMILIES: tuple[str, ...] = (
     "tiering_allocation_failures_total",
     "tiering_events_published_total",
     "tiering_events_dropped_total",
+    "tiering_tier_up",
+    "tiering_tier_errors_total",
 )
 
 #: Families that no dashboard panel or alert rule uses, on purpose (none yet).
 UNDASHBOARDED: frozenset[str] = frozenset()
 
 TIER = "cpu"
-#: The ``tier`` label of the secondary tier's series (a shared store below the CPU tier).
+#: The ``tier`` label of a tier below the CPU tier that gives none (a shared store).
 REMOTE_TIER = "remote"
+
+#: ``kind`` label of ``tiering_tier_errors_total`` -> field of `SecondaryStatistics`.
+#: Each thing is counted once (see `SecondaryStatistics`): a failed call (timeouts
+#: included), a call answered at once while the tier was down or backing off its
+#: writes, a call that found every worker busy, a command the store refused, a
+#: value read that failed its check, a value the tier had and found gone.
+_ERROR_KINDS = (
+    ("failed", "errors_total"),
+    ("unavailable", "unavailable_total"),
+    ("busy", "busy_total"),
+    ("refused", "refused_total"),
+    ("rejected", "rejected_total"),
+    ("lost", "lost_total"),
+)
 
 #: ``outcome`` label of ``tiering_jobs_total`` -> field of `DirectionStatistics`.
 _OUTCOMES = (
@@ -141,7 +164,9 @@ class MetricsSource(Protocol):
     """What the collector reads: a `TieringEngine`, or anything shaped like one.
 
     ``statistics()`` is called once per scrape; its result may also carry
-    ``events`` (per-sink event counts, or None when events are off).
+    ``events`` (per-sink event counts, or None when events are off) and the
+    tiers below the CPU tier: ``tiers`` (`SecondaryTierStatistics` in chain
+    order), or only ``secondary`` (one, or None).
     """
 
     @property
@@ -209,12 +234,22 @@ class MetricsCollector:
             families.add_direction("store", scheduler.stores)
             families.add_direction("load", scheduler.loads)
         families.add_events(getattr(stats, "events", None), stats.manager)
-        families.add_secondary(getattr(stats, "secondary", None))
+        for tier in _tiers_below(stats):
+            families.add_tier(tier)
         return iter(families.all())
 
     def __repr__(self) -> str:
         alive = "" if self._engine() is not None else " (engine gone)"
         return f"<MetricsCollector engine={self.engine_id!r}{alive}>"
+
+
+def _tiers_below(stats: object) -> tuple[Any, ...]:
+    """The tiers below the CPU tier in a snapshot: its ``tiers``, else its ``secondary``."""
+    tiers = tuple(getattr(stats, "tiers", None) or ())
+    if tiers:
+        return tiers
+    secondary = getattr(stats, "secondary", None)
+    return () if secondary is None else (secondary,)
 
 
 class _Families:
@@ -237,12 +272,21 @@ class _Families:
             labels=tier,
         )
         self.capacity = gauge("tiering_chunks_capacity", "Chunk slots in the tier.")
-        self.used = gauge("tiering_chunks_used", "Chunks in the tier (being written or ready).")
+        self.used = gauge(
+            "tiering_chunks_used",
+            "Chunks in the tier (CPU: being written or ready; below it: held, where it says).",
+        )
         self.writing = gauge("tiering_chunks_writing", "Chunks being written (not readable yet).")
         self.pinned = gauge("tiering_chunks_pinned", "Chunks pinned by loads (never evicted).")
         self.evictable = gauge("tiering_chunks_evictable", "Ready, unpinned chunks.")
-        self.ratio = gauge("tiering_occupancy_ratio", "Used chunks over capacity (0 to 1).")
-        self.tier_bytes = gauge("tiering_tier_bytes", "Host memory of the tier in bytes.")
+        self.ratio = gauge(
+            "tiering_occupancy_ratio",
+            "Used over capacity, 0 to 1 (CPU: chunks; below it: bytes, where it says).",
+        )
+        self.tier_bytes = gauge(
+            "tiering_tier_bytes",
+            "Capacity of the tier in bytes (CPU: host memory; below it: where it says).",
+        )
         self.transfer_bytes = counter(
             "tiering_transfer_bytes_total", "Bytes moved by finished jobs.", direction
         )
@@ -281,6 +325,20 @@ class _Families:
             "KV cache events a sink dropped (a slow subscriber, a full buffer).",
             ("engine", "sink"),
         )
+        self.up = gauge(
+            "tiering_tier_up",
+            "1 while a tier below the CPU tier is up, 0 while it is down (or closed).",
+        )
+        self.errors = counter(
+            "tiering_tier_errors_total",
+            "What a tier below the CPU tier did not serve, by kind: failed (a call failed: "
+            "unreachable, timeout, protocol error), unavailable (a call answered at once, "
+            "the tier being down or backing off its writes), busy (a call that found every "
+            "worker busy), refused (a command the store refused, e.g. OOM), rejected (a "
+            "value read that failed its check: never loaded), lost (a value the tier had "
+            "and found gone: deleted behind its back).",
+            (*tier, "kind"),
+        )
 
     def all(self) -> list[Metric]:
         return [
@@ -302,6 +360,8 @@ class _Families:
             self.alloc_failures,
             self.published,
             self.dropped,
+            self.up,
+            self.errors,
         ]
 
     def add_info(self, info: dict[str, str], tier_bytes: int | None) -> None:
@@ -340,28 +400,44 @@ class _Families:
         buckets.append(("+Inf", sum(d.latency_buckets)))
         self.transfer_seconds.add_metric(labels, buckets, d.latency_seconds)
 
-    def add_secondary(self, remote: Any) -> None:
-        """The secondary tier, as ``tier="remote"`` series of the same families.
+    def add_tier(self, below: Any) -> None:
+        """A tier below the CPU tier (a `SecondaryTierStatistics`), as ``tier=<label>``.
 
         Bytes by direction (``store``: written through, ``load``: read back into
         the CPU tier), lookups (``contains`` answers), write-through jobs by
-        outcome (``ok``, ``failed``: not written, ``rejected``: dropped for a
-        full queue) in chunks, and promotions as ``load`` outcomes.
+        outcome (``ok``, ``failed``: not written, ``rejected``: dropped, the tier
+        being behind) in chunks, promotions as ``load`` outcomes (``ok``: this
+        tier's hits as the engine served them), whether it is up, and what it did
+        not serve by kind. What it holds only where it says (``capacity_bytes``,
+        ``used_bytes``, ``chunks``; evictions where it manages its capacity).
         """
-        if remote is None:
-            return
-        t = remote.tier
-        store = [self.engine_id, REMOTE_TIER, "store"]
-        load = [self.engine_id, REMOTE_TIER, "load"]
+        t = below.tier
+        tier = [self.engine_id, str(getattr(below, "label", None) or REMOTE_TIER)]
+        store, load = [*tier, "store"], [*tier, "load"]
         self.transfer_bytes.add_metric(store, t.write_bytes_total)
         self.transfer_bytes.add_metric(load, t.read_bytes_total)
-        self.lookups.add_metric([self.engine_id, REMOTE_TIER, "hit"], t.hits_total)
-        self.lookups.add_metric([self.engine_id, REMOTE_TIER, "miss"], t.misses_total)
-        self.jobs.add_metric([*store, "ok"], remote.cascade_written)
-        self.jobs.add_metric([*store, "failed"], remote.cascade_failed)
-        self.jobs.add_metric([*store, "rejected"], remote.cascade_dropped)
-        self.jobs.add_metric([*load, "ok"], remote.promoted)
-        self.jobs.add_metric([*load, "failed"], remote.promote_failed)
+        self.lookups.add_metric([*tier, "hit"], t.hits_total)
+        self.lookups.add_metric([*tier, "miss"], t.misses_total)
+        self.jobs.add_metric([*store, "ok"], below.cascade_written)
+        self.jobs.add_metric([*store, "failed"], below.cascade_failed)
+        self.jobs.add_metric([*store, "rejected"], below.cascade_dropped)
+        self.jobs.add_metric([*load, "ok"], below.promoted)
+        self.jobs.add_metric([*load, "failed"], below.promote_failed)
+        self.up.add_metric(tier, 1 if t.state == "up" else 0)
+        for kind, field in _ERROR_KINDS:
+            self.errors.add_metric([*tier, kind], getattr(t, field, 0))
+        capacity = getattr(t, "capacity_bytes", None)
+        used = getattr(t, "used_bytes", None)
+        chunks = getattr(t, "chunks", None)
+        evictions = getattr(t, "evictions_total", 0)
+        if chunks is not None:
+            self.used.add_metric(tier, chunks)
+        if capacity is not None:
+            self.tier_bytes.add_metric(tier, capacity)
+            if used is not None and capacity > 0:
+                self.ratio.add_metric(tier, used / capacity)
+        if capacity is not None or evictions:  # 0 from a tier that does not say: no sample
+            self.evictions.add_metric(tier, evictions)
 
     def add_events(self, events: Any, manager: ManagerStatistics) -> None:
         if events is None:
