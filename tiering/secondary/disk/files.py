@@ -158,6 +158,7 @@ class DiskFiles:
         self.root = root
         self.codec = codec
         self.folder = root / codec.digest.hex()[:16]
+        self._folder = str(self.folder)
         self.fsync = fsync
         self.direct = direct
         self.read_only = read_only
@@ -245,9 +246,14 @@ class DiskFiles:
     # -- names ----------------------------------------------------------------------
 
     def path(self, key: OffloadKey) -> Path:
+        """The file of chunk ``key``'s value."""
+        return Path(self.name(key))
+
+    def name(self, key: OffloadKey) -> str:
+        """`path` as a string (made without `pathlib`, which costs a third of a write)."""
         raw = bytes(key)
         name = raw.hex() if len(raw) <= _MAX_NAMED_KEY else "h" + hashlib.blake2b(raw).hexdigest()
-        return self.folder / f"{zlib.crc32(raw) & 0xFF:02x}" / (name + SUFFIX)
+        return f"{self._folder}/{zlib.crc32(raw) & 0xFF:02x}/{name}{SUFFIX}"
 
     # -- open: what is on disk --------------------------------------------------------
 
@@ -396,7 +402,7 @@ class DiskFiles:
                 if guard.abandoned:
                     return
                 with contextlib.suppress(FileNotFoundError):
-                    o.unlink(self.path(victim))
+                    o.unlink(self.name(victim))
                 out.unlinked += 1
 
     def _write_one(
@@ -415,8 +421,8 @@ class DiskFiles:
         does on ext4), else a new file.
         """
         o = self.os
-        final = self.path(key)
-        tmp = final.with_name(f"{final.name}.{os.getpid()}-{next(_SEQUENCE)}{TMP_SUFFIX}")
+        final = self.name(key)
+        tmp = f"{final}.{os.getpid()}-{next(_SEQUENCE)}{TMP_SUFFIX}"
         direct = self.direct and _aligned(row)
         flags = os.O_WRONLY | os.O_CLOEXEC | (_O_DIRECT if direct else 0)
         size = head_bytes(self.codec, key)
@@ -456,7 +462,7 @@ class DiskFiles:
                 renamed = True
                 out.renamed.append(position)
             if self.fsync == "full":
-                _fsync_folder(final.parent)
+                _fsync_folder(os.path.dirname(final))
         finally:
             if fd >= 0:
                 os.close(fd)
@@ -465,7 +471,7 @@ class DiskFiles:
                     os.unlink(tmp)
 
     def _recycle(
-        self, guard: Guard, spares: Iterator[OffloadKey], tmp: Path, out: WriteOutcome
+        self, guard: Guard, spares: Iterator[OffloadKey], tmp: str, out: WriteOutcome
     ) -> bool:
         """Move the next evicted value's file to ``tmp``; whether one was moved. Each
         victim taken is gone from its name (counted in ``out.unlinked``)."""
@@ -474,29 +480,29 @@ class DiskFiles:
                 if guard.abandoned:
                     return False
                 try:
-                    self.os.rename(self.path(victim), tmp)
+                    self.os.rename(self.name(victim), tmp)
                 except FileNotFoundError:
                     out.unlinked += 1  # gone already (or its shard of the new name is new)
-                    if tmp.parent.is_dir():
+                    if os.path.isdir(os.path.dirname(tmp)):
                         continue
-                    self._make_shard(tmp.parent)
+                    self._make_shard(os.path.dirname(tmp))
                     with contextlib.suppress(FileNotFoundError):
-                        self.os.rename(self.path(victim), tmp)
+                        self.os.rename(self.name(victim), tmp)
                         return True
                     continue
                 out.unlinked += 1
                 return True
         return False
 
-    def _open_in_shard(self, path: Path, flags: int) -> int:
+    def _open_in_shard(self, path: str, flags: int) -> int:
         try:
             return int(self.os.open(path, flags, 0o644))
         except FileNotFoundError:
             pass
-        self._make_shard(path.parent)
+        self._make_shard(os.path.dirname(path))
         return int(self.os.open(path, flags, 0o644))
 
-    def _make_shard(self, shard: Path) -> None:
+    def _make_shard(self, shard: str) -> None:
         try:
             os.mkdir(shard)  # never the namespace folder: gone means down
         except FileExistsError:
@@ -535,7 +541,7 @@ class DiskFiles:
                 continue
             if verdict is None:
                 return  # abandoned
-            path = self.path(key)
+            path = self.name(key)
             if verdict is not Verdict.OK and not self.read_only:
                 with contextlib.suppress(OSError):
                     self.os.unlink(path)  # never loaded, and never offered again
@@ -551,7 +557,7 @@ class DiskFiles:
         codec = self.codec
         size = head_bytes(codec, key)
         direct = self.direct and _aligned(row)
-        fd = int(o.open(self.path(key), os.O_RDONLY | os.O_CLOEXEC | (_O_DIRECT if direct else 0)))
+        fd = int(o.open(self.name(key), os.O_RDONLY | os.O_CLOEXEC | (_O_DIRECT if direct else 0)))
         try:
             file_bytes = os.fstat(fd).st_size
             head = _head_buffer(size)
@@ -589,7 +595,7 @@ def _read_pid(fd: int) -> str:
     return ""
 
 
-def _fsync_folder(folder: Path) -> None:
+def _fsync_folder(folder: str) -> None:
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
