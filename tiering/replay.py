@@ -504,7 +504,11 @@ def _tiers(options: ReplayOptions) -> list[Callable[[RemoteNamespace], Secondary
     if options.disk is not None and options.disk_bytes is not None:
         tiers.append(
             functools.partial(
-                _disk_tier, options.disk, options.disk_bytes, fsync=options.disk_fsync
+                _disk_tier,
+                options.disk,
+                options.disk_bytes,
+                fsync=options.disk_fsync,
+                policy=options.policy,
             )
         )
     if options.remote is not None:
@@ -515,9 +519,10 @@ def _tiers(options: ReplayOptions) -> list[Callable[[RemoteNamespace], Secondary
 
 
 def _disk_tier(
-    path: str, capacity_bytes: int, namespace: RemoteNamespace, *, fsync: str
+    path: str, capacity_bytes: int, namespace: RemoteNamespace, *, fsync: str, policy: str
 ) -> DiskTier:
-    return DiskTier(path, capacity_bytes, namespace, fsync=fsync)
+    """The disk tier of a replay: the CPU tier's policy, as `tiering simulate` models it."""
+    return DiskTier(path, capacity_bytes, namespace, fsync=fsync, policy=policy)
 
 
 def _row_bytes(config: OffloadingConfig, kv: torch.Tensor) -> int:
