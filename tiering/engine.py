@@ -251,7 +251,7 @@ class TieringEngine:
         )
         self._secondary: TierChain | None = None
         if sources:
-            tiers = [s if isinstance(s, SecondaryTier) else s(self.namespace) for s in sources]
+            tiers = self._build_tiers(sources)
             on_written = None
             if self._events is not None:
                 emitter = self._events
@@ -270,7 +270,7 @@ class TieringEngine:
                         medium=tier.medium,
                         locality=str(tier.locality),
                     )
-            if tiers:
+            try:
                 self._secondary = TierChain(
                     tiers,
                     self.manager,
@@ -281,6 +281,10 @@ class TieringEngine:
                     ),
                     on_written=on_written,
                 )
+            except BaseException:
+                for tier in tiers:  # built here, never to be used: free what they took
+                    tier.discard()
+                raise
         self.scheduler = Scheduler(
             self.manager,
             self._make_backend,
@@ -299,6 +303,21 @@ class TieringEngine:
         self._state = ResourceState.NEW
 
     # -- life -----------------------------------------------------------------
+
+    def _build_tiers(self, sources: Sequence[TierSource]) -> list[SecondaryTier]:
+        """The tiers below, built from ``sources`` in order; if one cannot be built, those
+        built before it are discarded (a disk tier's lock is freed) and the error raised."""
+        tiers: list[SecondaryTier] = []
+        try:
+            for source in sources:
+                tiers.append(
+                    source if isinstance(source, SecondaryTier) else source(self.namespace)
+                )
+        except BaseException:
+            for tier in tiers:
+                tier.discard()
+            raise
+        return tiers
 
     def _make_backend(self, on_complete: CompletionCallback) -> TransferBackend:
         if self._pool is None:  # pragma: no cover - open() allocates it first

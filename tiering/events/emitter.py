@@ -18,8 +18,9 @@ about a store's blocks (`describe`) kept
 by store job until the job's `ChunksStored` is translated (matched by job id, so
 a key stored, evicted and stored again is described by the right store); those
 of jobs that failed or were cancelled are pruned once they outnumber the stores
-in flight. With ``keep_landed``, a landed chunk's description is kept (bounded)
-until its write to a lower tier is announced, so both events describe it alike.
+in flight. With ``keep_landed``, a landed chunk's description is kept (the
+latest `LANDED_KEPT`, the oldest leaving first), so the events of every lower
+tier of a chain it is written to describe it alike, and so do their removals.
 """
 
 from __future__ import annotations
@@ -202,7 +203,8 @@ class KVEventEmitter:
         self.publish_pending()
         translator = self._below_translator(locality)
         landed = self._landed
-        blocks = {k: landed.pop(k) for k in keys if k in landed} if landed else None
+        # Kept (bounded, oldest first out) for the next tier of a chain to describe alike.
+        blocks = {k: landed[k] for k in keys if k in landed} if landed else None
         event = ChunksStored(keys=tuple(keys), medium=medium)
         self._send(translator.translate([event], blocks))
 

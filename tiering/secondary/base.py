@@ -335,6 +335,10 @@ class SecondaryTier(AsyncResource):
     async def aclose(self) -> None:
         """Release connections and buffers; idempotent. Later calls raise `ResourceClosedError`."""
 
+    def discard(self) -> None:
+        """Release at once, without I/O, what the constructor took (the disk tier's lock),
+        for a tier that was built and will never be used: its engine failed to build."""
+
 
 class Guard:
     """Who may touch a call's buffers: its worker thread, until the call is abandoned.

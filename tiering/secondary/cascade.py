@@ -104,9 +104,6 @@ class Promotion(msgspec.Struct, frozen=True):
     by_tier: dict[str, int] = msgspec.field(default_factory=dict)
 
 
-#: Most chunks one write to the tier carries: the queued stores are joined up to it.
-_BATCH_CHUNKS = 64
-
 #: A queued write-through: (manager job, keys, chunk ids, reset generation).
 _Write = tuple[Hashable, tuple[OffloadKey, ...], list[int], int]
 
@@ -234,15 +231,7 @@ class SecondaryCascade:
         try:
             async for item in receive:
                 current.append(item)
-                chunks = len(item[1])
-                while chunks < _BATCH_CHUNKS:  # what else waits goes in the same call
-                    try:
-                        more = receive.receive_nowait()
-                    except (anyio.WouldBlock, anyio.EndOfStream):
-                        break
-                    current.append(more)
-                    chunks += len(more[1])
-                await self._write(current)
+                await self._write(item)
                 current.clear()
         except Exception:
             logger.exception("secondary tier: the write-through task failed")
@@ -258,38 +247,24 @@ class SecondaryCascade:
             assert self._done is not None  # made by start, before this task runs
             self._done.set()
 
-    async def _write(self, batch: list[_Write]) -> None:
-        """Write the queued stores of ``batch`` in one call; settle each."""
-        live = [item for item in batch if item[3] == self._generation]  # else reset since
-        rows = [
-            (k, self._row(c)) for _, keys, ids, _ in live for k, c in zip(keys, ids, strict=True)
-        ]
+    async def _write(self, item: _Write) -> None:
+        _, keys, chunk_ids, generation = item
         written = 0
-        if rows:
-            self._writing = len(rows)
+        if generation == self._generation:  # else reset since: the rows hold other chunks
+            self._writing = len(keys)
             try:
+                rows = [(k, self._row(c)) for k, c in zip(keys, chunk_ids, strict=True)]
                 written = await self.tier.write(rows)
             except Exception:
                 logger.exception("secondary tier: a write-through failed")
             finally:
                 self._writing = 0
-        whole = written == len(rows)
-        left = written
-        for item in batch:
-            keys = item[1]
-            if item[3] != self._generation or item not in live:
-                self._settle(item, 0)
-                continue
-            # A partial write does not say which chunks it wrote: the count is kept,
-            # and none of the stores is announced as written below.
-            mine = min(left, len(keys))
-            left -= mine
-            self._settle(item, mine)
-            if whole and self._on_written is not None:
-                try:
-                    self._on_written(keys)
-                except Exception:
-                    logger.exception("secondary tier: announcing a write-through failed")
+        self._settle(item, written)
+        if written == len(keys) and self._on_written is not None:
+            try:
+                self._on_written(keys)
+            except Exception:
+                logger.exception("secondary tier: announcing a write-through failed")
 
     def _settle(self, item: _Write, written: int) -> None:
         job, keys, _, _ = item

@@ -44,10 +44,12 @@ Design note:
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import logging
 import math
 import os
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -181,9 +183,9 @@ class DiskTier(SecondaryTier):
         self._counters = TierCounters()
         self._closed = False
         self._opened = False
-        self._open_lock: anyio.Lock | None = None
-        self._slots: anyio.CapacityLimiter | None = None
+        self._scan: concurrent.futures.Future[ScanResult] | None = None
         self._threads: anyio.CapacityLimiter | None = None
+        self._live = threading.BoundedSemaphore(max_concurrency)  # threads doing I/O
         self._idle: anyio.Event | None = None
         self._in_flight = 0
         #: What the last scan found (None until open).
@@ -195,6 +197,7 @@ class DiskTier(SecondaryTier):
         self._reading: dict[OffloadKey, int] = {}  # reads in flight, by key
         self._writing: dict[OffloadKey, int] = {}  # writes in flight, by key
         self._unlinking: set[OffloadKey] = set()  # victims an unfinished call may delete
+        self._rewritten: set[OffloadKey] = set()  # written anew while being read
         self._trash: list[OffloadKey] = []  # victims still on disk: the next write deletes them
         self._evictions = 0
         self._lost = 0
@@ -206,18 +209,44 @@ class DiskTier(SecondaryTier):
         return TierState.CLOSED if self._closed else self._health.state
 
     async def open(self) -> ScanResult:
-        """Scan the folder and build the index (once; later calls return the same report)."""
+        """Scan the folder and build the index, however long the scan takes (once; later
+        calls return the same report). Calls made before it ends wait for it at most
+        their timeout, then answer as busy."""
         self._check_open()
-        if self._open_lock is None:
-            self._open_lock = anyio.Lock()
-        async with self._open_lock:
-            if self.open_report is None:
-                report = await anyio.to_thread.run_sync(self._open_folder)
-                await self._adopt(report)
-            else:
-                await anyio.lowlevel.checkpoint()
+        await self._ensure_open(timeout=None)
         assert self.open_report is not None
         return self.open_report
+
+    async def _ensure_open(self, timeout: float | None = -1.0) -> bool:
+        """Whether the index is built; waits for the scan (started on first need, in a
+        thread of its own) at most ``timeout`` (the tier's, by default; None: for ever).
+        Always a checkpoint; a scan that failed raises its `ConfigError` to each caller."""
+        if self._opened:
+            await anyio.lowlevel.checkpoint()
+            return True
+        if self._scan is None:
+            self._scan = concurrent.futures.Future()
+            threading.Thread(
+                target=_fill, args=(self._scan, self._open_folder), daemon=True,
+                name=f"tiering-disk-scan:{self.path}",
+            ).start()  # fmt: skip
+        scan = self._scan
+        with anyio.move_on_after(self.timeout_s if timeout == -1.0 else timeout):
+            await anyio.to_thread.run_sync(concurrent.futures.wait, [scan], abandon_on_cancel=True)
+        if not scan.done():
+            return False
+        if not self._opened:
+            victims = self._adopt(scan.result())  # raises the scan's ConfigError, if any
+            if victims:  # over capacity (it was lowered): delete the oldest now
+                removed = False
+                with anyio.move_on_after(self.timeout_s):
+                    await anyio.to_thread.run_sync(
+                        self._files.remove, victims, abandon_on_cancel=True
+                    )
+                    removed = True
+                if not removed:
+                    self._trash.extend(victims)  # the next write deletes what is left
+        return True
 
     def _open_folder(self) -> ScanResult:
         """In a thread: make the folder, probe ``O_DIRECT``, scan."""
@@ -238,8 +267,9 @@ class DiskTier(SecondaryTier):
             files.direct = self.direct_io = supported
         return files.scan()
 
-    async def _adopt(self, report: ScanResult) -> None:
-        """Index what a scan found (oldest first), then trim to capacity."""
+    def _adopt(self, report: ScanResult) -> list[OffloadKey]:
+        """Index what a scan found (oldest first), then trim to capacity; the victims,
+        whose files the caller deletes (none for a read-only tier)."""
         self._sizes.clear()
         self.policy.clear()
         self._used = 0
@@ -249,15 +279,14 @@ class DiskTier(SecondaryTier):
             self.policy.insert([key])
         self._opened = True
         self.open_report = report
-        victims = self._evict(self._used - self.capacity_bytes, protected=())
-        if victims and not self.read_only:
-            await anyio.to_thread.run_sync(self._files.remove, victims)
+        victims = self._evict(self._used - self.capacity_bytes, protected=()) or []
         if report.dropped:
             logger.warning(
                 "disk tier %s: dropped at open: %s",
                 self.path,
                 ", ".join(f"{n:,} {why}" for why, n in report.dropped.items()),
             )
+        return [] if self.read_only else victims
 
     async def aclose(self) -> None:
         """Wait (at most ``timeout_s``) for calls in flight, release the folder. Idempotent."""
@@ -269,10 +298,17 @@ class DiskTier(SecondaryTier):
         self._write_gate.close()
         if self._in_flight:
             self._idle = self._idle or anyio.Event()
-            with anyio.move_on_after(self.timeout_s), anyio.CancelScope(shield=True):
+            with anyio.CancelScope(shield=True), anyio.move_on_after(self.timeout_s):
                 await self._idle.wait()
         else:
             await anyio.lowlevel.checkpoint()
+        self._files.unlock()
+
+    def discard(self) -> None:
+        """Release the folder now, for a tier that was built and will never be used."""
+        self._closed = True
+        self._health.close()
+        self._write_gate.close()
         self._files.unlock()
 
     # -- the contract ---------------------------------------------------------------------
@@ -284,7 +320,9 @@ class DiskTier(SecondaryTier):
         if not keys:
             await anyio.lowlevel.checkpoint()
             return []
-        await self._ensure_open()
+        if not await self._ensure_open():
+            c.busy_total += 1  # still scanning the folder
+            return c.found([False] * len(keys))
         ok, _ = await self._run(lambda guard: self._files.check_folder())
         if not ok:
             return c.found([False] * len(keys))
@@ -300,10 +338,13 @@ class DiskTier(SecondaryTier):
             await anyio.lowlevel.checkpoint()
             return 0
         try:
-            await self._ensure_open()
+            opened = await self._ensure_open()
         except BaseException:
             c.written(0, len(rows), self.row_bytes, cause=UNWRITTEN_CANCELLED)
             raise
+        if not opened:
+            c.busy_total += 1  # still scanning the folder
+            return c.written(0, len(rows), self.row_bytes, cause=UNWRITTEN_BUSY)
         if self.read_only:
             await anyio.lowlevel.checkpoint()
             return c.written(0, len(rows), self.row_bytes, cause=UNWRITTEN_READ_ONLY)
@@ -322,7 +363,10 @@ class DiskTier(SecondaryTier):
         if not views:
             await anyio.lowlevel.checkpoint()
             return []
-        await self._ensure_open()
+        if not await self._ensure_open():
+            c.busy_total += 1  # still scanning the folder
+            c.read_misses_total += len(views)
+            return [False] * len(views)
         held = [i for i, (key, _) in enumerate(views) if key in self._sizes]
         filled = [False] * len(views)
         c.read_misses_total += len(views) - len(held)  # not held: answered from the index
@@ -337,12 +381,19 @@ class DiskTier(SecondaryTier):
         try:
             await self._run(lambda guard: self._files.read(guard, wanted, out, self.touch_reads))
         finally:
+            rewritten = self._rewritten
             for key in keys:
                 left = self._reading[key] - 1
                 if left:
                     self._reading[key] = left
                 else:
                     del self._reading[key]
+            # A write of a key that landed while it was read made a new file: what the
+            # read found wrong with the old one says nothing of it.
+            fresh = {k for k in keys if k in rewritten}
+            for key in fresh:
+                if key not in self._reading:
+                    rewritten.discard(key)
         good: list[OffloadKey] = []
         for position, verdict in enumerate(out.verdicts):
             key = keys[position]
@@ -353,12 +404,13 @@ class DiskTier(SecondaryTier):
             if c.read(key, verdict, self.row_bytes):
                 filled[held[position]] = True
                 good.append(key)
-            else:
+            elif key not in fresh:
                 self._forget(key)  # its file is deleted: never offered again
         for position in out.vanished:
             c.read_misses_total += 1
-            self._lost += 1
-            self._forget(keys[position])
+            if keys[position] not in fresh:
+                self._lost += 1
+                self._forget(keys[position])
         for exc in out.errors.values():
             c.read_misses_total += 1
             c.error(f"reading a value: {describe(exc)}")
@@ -382,56 +434,87 @@ class DiskTier(SecondaryTier):
 
     async def _write(self, rows: list[tuple[OffloadKey, memoryview]], writing: Admission) -> int:
         c = self._counters
-        # A key another call is writing (or deleting) now is left to that call.
-        busy = sum(1 for k, _ in rows if k in self._writing or k in self._unlinking)
-        items = [(k, r) for k, r in rows if k not in self._writing and k not in self._unlinking]
-        protected = self._protected(items)
-        victims, new = self._make_room(items, protected)
-        if victims is None:
-            # No room for all: the longest head of the batch that fits (a prefix is
-            # what gets reused), found in O(log n) tries; a failed try changes nothing.
-            fits, fails = 0, len(items)
-            while fails - fits > 1:
-                middle = (fits + fails) // 2
-                if self._make_room(items[:middle], protected, dry_run=True)[0] is None:
-                    fails = middle
-                else:
-                    fits = middle
-            items = items[:fits]
-            victims, new = self._make_room(items, protected)
-            if victims is None:  # the policy would not give what the count promised
-                items, new, victims = [], [], []
-        no_room = len(rows) - busy - len(items)
-        victims += self._take_trash()
-        reserved = sum(self._value_bytes(k) for k in new)
-        self._reserved += reserved
-        self._unlinking.update(victims)
-        for key, _ in items:
-            self._writing[key] = self._writing.get(key, 0) + 1
+        plan = _WritePlan()
+
+        def make_plan() -> None:
+            """Choose what to write and what to evict, once a worker thread is ours: a
+            call answered without I/O (down, busy, cancelled) evicts nothing."""
+            # A key another call is writing or deleting now is left to that call.
+            plan.items = [(k, r) for k, r in rows if not self._busy_key(k)]
+            plan.busy = len(rows) - len(plan.items)
+            plan.victims = self._room_for(plan)
+            plan.no_room = len(rows) - plan.busy - len(plan.items)
+            plan.victims += self._take_trash()
+            plan.reserved = sum(self._value_bytes(k) for k in plan.new)
+            self._reserved += plan.reserved
+            self._unlinking.update(plan.victims)
+            for key, _ in plan.items:
+                self._writing[key] = self._writing.get(key, 0) + 1
+            plan.made = True
+
         out = WriteOutcome()
         cause = UNWRITTEN_CANCELLED
         try:
             _, cause = await self._run(
-                lambda guard: self._files.write(guard, victims, items, out), write=True
+                lambda guard: self._files.write(guard, plan.victims, plan.items, out),
+                plan=make_plan,
             )
         finally:
-            self._reserved -= reserved
-            self._unlinking.difference_update(victims)
-            self._trash.extend(victims[out.unlinked :])  # still on disk: deleted later
-            for key, _ in items:
-                left = self._writing[key] - 1
-                if left:
-                    self._writing[key] = left
-                else:
-                    del self._writing[key]
-            written = self._settle_write(items, out)
-            refused = self._refusals(items, out, writing, cause)
-            c.written(written, len(items), self.row_bytes, cause=cause, refused=refused)
-            for reason, n in ((UNWRITTEN_BUSY, busy), (UNWRITTEN_NO_ROOM, no_room)):
-                if n:  # skipped before any I/O: counted under their own reasons
-                    c.write_errors_total += n
-                    by_reason = c.write_errors_by_reason
-                    by_reason[reason] = by_reason.get(reason, 0) + n
+            if not plan.made:  # no I/O: nothing chosen, nothing evicted
+                self._write_gate.release(writing)
+                written = c.written(0, len(rows), self.row_bytes, cause=cause)
+            else:
+                written = self._settle_plan(plan, out, writing, cause)
+        return written
+
+    def _busy_key(self, key: OffloadKey) -> bool:
+        return key in self._writing or key in self._unlinking
+
+    def _room_for(self, plan: _WritePlan) -> list[OffloadKey]:
+        """Victims that make room for the plan's items, cutting them to the longest head
+        that fits when not all do (a prefix is what gets reused)."""
+        protected = self._protected(plan.items)
+        victims, plan.new = self._make_room(plan.items, protected)
+        if victims is not None:
+            return victims
+        # The longest fitting head, found in O(log n) tries; a failed try changes nothing.
+        fits, fails = 0, len(plan.items)
+        while fails - fits > 1:
+            middle = (fits + fails) // 2
+            if self._make_room(plan.items[:middle], protected, dry_run=True)[0] is None:
+                fails = middle
+            else:
+                fits = middle
+        plan.items = plan.items[:fits]
+        victims, plan.new = self._make_room(plan.items, protected)
+        if victims is None:  # the policy would not give what the count promised
+            plan.items, plan.new = [], []
+            return []
+        return victims
+
+    def _settle_plan(
+        self, plan: _WritePlan, out: WriteOutcome, writing: Admission, cause: str
+    ) -> int:
+        c = self._counters
+        self._reserved -= plan.reserved
+        self._unlinking.difference_update(plan.victims)
+        gone = set(out.gone)
+        # Victims whose files are still on disk: the next write deletes them.
+        self._trash.extend(v for i, v in enumerate(plan.victims) if i not in gone)
+        for key, _ in plan.items:
+            left = self._writing[key] - 1
+            if left:
+                self._writing[key] = left
+            else:
+                del self._writing[key]
+        written = self._settle_write(plan.items, out)
+        refused = self._refusals(plan.items, out, writing, cause)
+        c.written(written, len(plan.items), self.row_bytes, cause=cause, refused=refused)
+        for reason, n in ((UNWRITTEN_BUSY, plan.busy), (UNWRITTEN_NO_ROOM, plan.no_room)):
+            if n:  # skipped before any I/O: counted under their own reasons
+                c.write_errors_total += n
+                by_reason = c.write_errors_by_reason
+                by_reason[reason] = by_reason.get(reason, 0) + n
         return written
 
     def _make_room(
@@ -461,6 +544,8 @@ class DiskTier(SecondaryTier):
         again: list[OffloadKey] = []
         for position in out.renamed:
             key = items[position][0]
+            if key in self._reading:
+                self._rewritten.add(key)
             if key in self._sizes:
                 again.append(key)
                 continue
@@ -554,20 +639,31 @@ class DiskTier(SecondaryTier):
         if self._closed:
             raise ResourceClosedError(f"{self!r} is closed")
 
-    async def _ensure_open(self) -> None:
-        if not self._opened:
-            await self.open()
-
-    def _limiters(self) -> tuple[anyio.CapacityLimiter, anyio.CapacityLimiter]:
-        if self._slots is None or self._threads is None:
-            self._slots = anyio.CapacityLimiter(self.max_concurrency)
+    def _limiter(self) -> anyio.CapacityLimiter:
+        if self._threads is None:
             self._threads = anyio.CapacityLimiter(self.max_concurrency)
-        return self._slots, self._threads
+        return self._threads
 
-    async def _run(self, work: Callable[[Guard], None], *, write: bool = False) -> tuple[bool, str]:
+    async def _take_thread(self) -> None:
+        """Wait until fewer than ``max_concurrency`` of this tier's threads live (each
+        call's thread gives its place back when it ends, abandoned or not)."""
+        delay = 0.0005
+        while not self._live.acquire(blocking=False):
+            await anyio.sleep(delay)  # only under overload: every thread busy
+            delay = min(2 * delay, 0.01)
+
+    async def _run(
+        self, work: Callable[[Guard], None], *, plan: Callable[[], None] | None = None
+    ) -> tuple[bool, str]:
         """Run ``work(guard)`` in a worker thread within the timeout, unless the tier is
-        down. Returns whether it ran to its end, and why not (an ``UNWRITTEN_*`` cause).
-        Counts every outcome."""
+        down; ``plan()`` runs on the loop first, once a thread is ours (never for a call
+        answered without I/O). Returns whether the work ran to its end, and why not (an
+        ``UNWRITTEN_*`` cause). Counts every outcome.
+
+        At most ``max_concurrency`` threads do this tier's I/O at once, counting the
+        threads of calls that timed out and still wait for the disk: a hung disk
+        holds its threads, and later calls are busy, not more threads.
+        """
         c = self._counters
         admission = self._health.admit()
         if admission is None:
@@ -575,26 +671,33 @@ class DiskTier(SecondaryTier):
             await anyio.lowlevel.checkpoint()  # answered without I/O, but still a checkpoint
             return False, UNWRITTEN_DOWN
         guard = Guard()
-        slots, threads = self._limiters()
+        ticket = _Ticket(self._live)
         started = done = False
         failure: BaseException | None = None
         self._in_flight += 1
         try:
             with anyio.move_on_after(self.timeout_s):
-                async with slots:
-                    started = True
-                    failure = await anyio.to_thread.run_sync(
-                        _capture, work, guard, abandon_on_cancel=True, limiter=threads
-                    )
-                    done = True
+                await self._take_thread()
+                started = True
+                if plan is not None:
+                    plan()
+                failure = await anyio.to_thread.run_sync(
+                    _capture, work, guard, ticket, abandon_on_cancel=True,
+                    limiter=self._limiter(),
+                )  # fmt: skip
+                done = True
         except BaseException:  # cancelled from outside: give the buffers back, then go
             guard.abandon()
+            if started:
+                ticket.abandon()
             self._health.release(admission)
             raise
         finally:
             self._in_flight -= 1
             if not self._in_flight and self._idle is not None:
                 self._idle.set()
+        if started and not done:
+            ticket.abandon()
         if not done:
             guard.abandon()
             if not started:  # every worker busy for the whole timeout: overload, no fault
@@ -620,18 +723,21 @@ class DiskTier(SecondaryTier):
 
     async def _recover(self) -> None:
         """The folder is gone (or another): make it again and index what it holds; the
-        values the index named are lost. The next call finds the tier up."""
-        lost = len(self._sizes)
+        values the index named and the new folder lacks are lost (announced as removed).
+        The next call finds the tier up."""
+        before = list(self._sizes)
         try:
             with anyio.move_on_after(self.timeout_s):
                 report = await anyio.to_thread.run_sync(self._reopen, abandon_on_cancel=True)
-                self._lost += lost
-                await self._adopt(report)
+                self._trash.extend(self._adopt(report))
+                lost = [key for key in before if key not in self._sizes]
+                self._lost += len(lost)
+                self._removed(lost)
                 self._health.retry_at = 0.0  # due now: the next call probes the new folder
                 logger.warning(
                     "disk tier %s: the folder was gone; made again, %d values lost, %d found",
                     self.path,
-                    lost,
+                    len(lost),
                     len(report.values),
                 )
         except (OSError, ConfigError) as exc:
@@ -639,9 +745,7 @@ class DiskTier(SecondaryTier):
 
     def _reopen(self) -> ScanResult:
         files = self._files
-        if not self.read_only and not (files.root / ".lock").exists():
-            files.unlock()
-            files.lock()  # the root went too: its lock file with it
+        files.relock()  # the root may be new: hold its lock, or stay down
         files.make_folder()
         return files.scan()
 
@@ -660,13 +764,63 @@ class DiskTier(SecondaryTier):
         )
 
 
-def _capture(work: Callable[[Guard], None], guard: Guard) -> BaseException | None:
+def _fill(future: concurrent.futures.Future[ScanResult], scan: Callable[[], ScanResult]) -> None:
+    """Run ``scan`` in its own thread, its result or error into ``future``."""
+    try:
+        future.set_result(scan())
+    except BaseException as exc:  # a ConfigError, or a bug: each caller sees it
+        future.set_exception(exc)
+
+
+def _capture(work: Callable[[Guard], None], guard: Guard, ticket: _Ticket) -> BaseException | None:
     """Run ``work`` in the worker thread; its exception, returned rather than raised."""
+    if not ticket.start():
+        return None  # the call gave up before this thread began: nothing to do
     try:
         work(guard)
     except (OSError, ConfigError) as exc:
         return exc
+    finally:
+        ticket.live.release()  # this thread's place, given back when it really ends
     return None
+
+
+class _Ticket:
+    """One call's place among the tier's live threads: given back by its thread when it
+    ends, or by the call when it gave up before the thread began."""
+
+    __slots__ = ("live", "lock", "started", "void")
+
+    def __init__(self, live: threading.BoundedSemaphore) -> None:
+        self.live = live
+        self.lock = threading.Lock()
+        self.started = self.void = False
+
+    def start(self) -> bool:
+        with self.lock:
+            if self.void:
+                return False
+            self.started = True
+            return True
+
+    def abandon(self) -> None:
+        with self.lock:
+            if not self.started and not self.void:
+                self.void = True
+                self.live.release()
+
+
+class _WritePlan:
+    """What a write chose once a thread was its own (see `DiskTier._write`)."""
+
+    __slots__ = ("busy", "items", "made", "new", "no_room", "reserved", "victims")
+
+    def __init__(self) -> None:
+        self.made = False
+        self.items: list[tuple[OffloadKey, memoryview]] = []
+        self.new: list[OffloadKey] = []
+        self.victims: list[OffloadKey] = []
+        self.busy = self.no_room = self.reserved = 0
 
 
 def _payload(payload: Any, row_bytes: int) -> memoryview:

@@ -33,6 +33,7 @@ import mmap
 import os
 import threading
 import time
+import weakref
 import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -129,10 +130,10 @@ class ScanResult(msgspec.Struct, frozen=True, kw_only=True):
 class WriteOutcome:
     """What a write did, filled in by its thread under the call's guard."""
 
-    __slots__ = ("errors", "renamed", "unlinked")
+    __slots__ = ("errors", "gone", "renamed")
 
     def __init__(self) -> None:
-        self.unlinked = 0  # victims removed, in order
+        self.gone: list[int] = []  # victims whose files left their names, by position
         self.renamed: list[int] = []  # items now visible, by position
         self.errors: dict[int, OSError] = {}  # items that failed, by position
 
@@ -164,6 +165,7 @@ class DiskFiles:
         self.read_only = read_only
         self._identity: tuple[int, int] | None = None
         self._lock_fd: int | None = None
+        self._release: Any = None  # the finalizer that closes the lock's fd
         #: The calls a test may replace to inject faults (`os` by default): ``open``,
         #: ``preadv``, ``pwritev``, ``rename``, ``unlink``, ``stat``, ``fdatasync``.
         self.os: Any = os
@@ -197,11 +199,33 @@ class DiskFiles:
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         self._lock_fd = fd
+        # A tier dropped without aclose (its engine failed to build) frees the folder
+        # when it is collected.
+        self._release = weakref.finalize(self, os.close, fd)
 
     def unlock(self) -> None:
         if self._lock_fd is not None:
+            if self._release is not None:
+                self._release.detach()
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None
+
+    def relock(self) -> None:
+        """Hold the lock of the folder as it is now: after the root was removed and made
+        again, the old lock is of a file no longer there, and another process may hold
+        the new one (then `ConfigError`: this tier never takes a folder someone owns)."""
+        if self.read_only:
+            return
+        try:
+            now = os.stat(self.root / LOCK_NAME)
+        except FileNotFoundError:
+            now = None
+        if self._lock_fd is not None and now is not None:
+            mine = os.fstat(self._lock_fd)
+            if (mine.st_dev, mine.st_ino) == (now.st_dev, now.st_ino):
+                return
+        self.unlock()
+        self.lock()
 
     def check_folder(self) -> None:
         """Raise `DirectoryGone` unless the namespace folder is the one opened."""
@@ -382,7 +406,7 @@ class DiskFiles:
         """
         self.check_folder()
         o = self.os
-        spares = iter(victims)  # evicted values' files, recycled for new ones
+        spares = iter(enumerate(victims))  # evicted values' files, recycled for new ones
         for position, (key, row) in enumerate(items):
             if guard.abandoned:
                 return
@@ -397,13 +421,17 @@ class DiskFiles:
                     out.errors[position] = exc
                 if exc.errno in FULL_ERRNOS:
                     break  # the rest would fail alike: the caller counts them so
-        for victim in spares:  # more room freed than the new values take
+        for index, victim in spares:  # more room freed than the new values take
             with guard.lock:
                 if guard.abandoned:
                     return
-                with contextlib.suppress(FileNotFoundError):
+                try:
                     o.unlink(self.name(victim))
-                out.unlinked += 1
+                except FileNotFoundError:
+                    pass
+                except OSError:
+                    continue  # still there: the tier tries again with a later write
+                out.gone.append(index)
 
     def _write_one(
         self,
@@ -412,7 +440,7 @@ class DiskFiles:
         key: OffloadKey,
         row: memoryview,
         out: WriteOutcome,
-        spares: Iterator[OffloadKey],
+        spares: Iterator[tuple[int, OffloadKey]],
     ) -> None:
         """Write one value under a temporary name, then rename it into place.
 
@@ -471,26 +499,31 @@ class DiskFiles:
                     os.unlink(tmp)
 
     def _recycle(
-        self, guard: Guard, spares: Iterator[OffloadKey], tmp: str, out: WriteOutcome
+        self, guard: Guard, spares: Iterator[tuple[int, OffloadKey]], tmp: str, out: WriteOutcome
     ) -> bool:
         """Move the next evicted value's file to ``tmp``; whether one was moved. Each
-        victim taken is gone from its name (counted in ``out.unlinked``)."""
-        for victim in spares:
+        victim whose file left its name is recorded in ``out.gone``; one that could not
+        be moved (an error) stays on disk, for a later write to delete."""
+        for index, victim in spares:
             with guard.lock:
                 if guard.abandoned:
                     return False
                 try:
                     self.os.rename(self.name(victim), tmp)
                 except FileNotFoundError:
-                    out.unlinked += 1  # gone already (or its shard of the new name is new)
-                    if os.path.isdir(os.path.dirname(tmp)):
-                        continue
-                    self._make_shard(os.path.dirname(tmp))
-                    with contextlib.suppress(FileNotFoundError):
-                        self.os.rename(self.name(victim), tmp)
+                    if os.path.exists(self.name(victim)):  # the new name's shard is new
+                        self._make_shard(os.path.dirname(tmp))
+                        try:
+                            self.os.rename(self.name(victim), tmp)
+                        except OSError:
+                            continue
+                        out.gone.append(index)
                         return True
+                    out.gone.append(index)  # gone already
                     continue
-                out.unlinked += 1
+                except OSError:
+                    continue
+                out.gone.append(index)
                 return True
         return False
 
@@ -541,13 +574,17 @@ class DiskFiles:
                 continue
             if verdict is None:
                 return  # abandoned
+            if self.read_only or (verdict is Verdict.OK and not touch):
+                continue
             path = self.name(key)
-            if verdict is not Verdict.OK and not self.read_only:
+            with guard.lock:  # an abandoned call changes nothing more on disk
+                if guard.abandoned:
+                    return
                 with contextlib.suppress(OSError):
-                    self.os.unlink(path)  # never loaded, and never offered again
-            elif verdict is Verdict.OK and touch and not self.read_only:
-                with contextlib.suppress(OSError):
-                    os.utime(path)
+                    if verdict is Verdict.OK:
+                        os.utime(path)
+                    else:
+                        self.os.unlink(path)  # never loaded, and never offered again
 
     def _read_one(
         self, guard: Guard, position: int, key: OffloadKey, row: memoryview, out: ReadOutcome
