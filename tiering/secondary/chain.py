@@ -209,20 +209,27 @@ class TierChain:
                 manager.complete_store(job=job, success=True)  # the rest: the leading run
             else:
                 good = 0
-            by_tier = self._count(new, tier_of, good)
+            by_tier = self._count(new, tier_of, good, set(wanted))
         self._write_up(new[:good], tier_of)
         return by_tier
 
     def _count(
-        self, new: Sequence[OffloadKey], tier_of: dict[OffloadKey, int], good: int
+        self,
+        new: Sequence[OffloadKey],
+        tier_of: dict[OffloadKey, int],
+        good: int,
+        wanted: set[OffloadKey],
     ) -> dict[str, int]:
+        """Count each tier's promotions; the chunks after the caller's ``start`` that
+        each gave, by label (a head chunk read back is the caller's hit already)."""
         by_tier: dict[str, int] = {}
         for index, cascade in enumerate(self.cascades):
             gave = sum(1 for key in new[:good] if tier_of[key] == index)
             lost = sum(1 for key in new[good:] if tier_of[key] == index)
             cascade.promoted(gave, lost)
-            if gave:
-                by_tier[cascade.tier.label] = gave
+            after_start = sum(1 for k in new[:good] if tier_of[k] == index and k in wanted)
+            if after_start:
+                by_tier[cascade.tier.label] = after_start
         return by_tier
 
     def _write_up(self, promoted: Sequence[OffloadKey], tier_of: dict[OffloadKey, int]) -> None:
