@@ -11,8 +11,8 @@ Each test keeps one promise that a reviewer found broken:
 - a read that rejects a value does not forget a rewrite of it that landed
   meanwhile;
 - values lost with the folder are announced as removed;
-- a folder made again after its root was removed is never owned twice (still
-  broken where the new folder gets the old one's inode number: an xfail);
+- a folder made again after its root was removed is never owned twice, even
+  where the new folder gets the old one's inode number;
 - the scan at open is bounded by each call's timeout and by its caller's deadline;
 - an engine that failed to build frees the disk tier's lock;
 - the write-through announces every store it wrote whole, one store a call;
@@ -449,13 +449,6 @@ class Renumbered:
         return getattr(self._st, name)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the folder's identity is its (st_dev, st_ino) alone: a folder made again "
-    "that gets the removed one's inode number (ext4 reuses it) passes check_folder, so "
-    "the tier comes back up into a folder another tier locked, never relocking, and "
-    "its index still names the values lost with the old one",
-)
 async def test_a_root_made_again_with_the_old_folders_inode_number_is_left_to_its_owner(
     tmp_path: Path, namespace: RemoteNamespace, chunks: Any
 ) -> None:

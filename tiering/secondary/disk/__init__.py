@@ -303,6 +303,7 @@ class DiskTier(SecondaryTier):
         else:
             await anyio.lowlevel.checkpoint()
         self._files.unlock()
+        self._files.close_folder()
 
     def discard(self) -> None:
         """Release the folder now, for a tier that was built and will never be used."""
@@ -310,6 +311,7 @@ class DiskTier(SecondaryTier):
         self._health.close()
         self._write_gate.close()
         self._files.unlock()
+        self._files.close_folder()
 
     # -- the contract ---------------------------------------------------------------------
 

@@ -166,6 +166,8 @@ class DiskFiles:
         self._identity: tuple[int, int] | None = None
         self._lock_fd: int | None = None
         self._release: Any = None  # the finalizer that closes the lock's fd
+        self._folder_fd: int | None = None  # the folder, held open while the tier is
+        self._folder_release: Any = None
         #: The calls a test may replace to inject faults (`os` by default): ``open``,
         #: ``preadv``, ``pwritev``, ``rename``, ``unlink``, ``stat``, ``fdatasync``.
         self.os: Any = os
@@ -230,6 +232,11 @@ class DiskFiles:
     def check_folder(self) -> None:
         """Raise `DirectoryGone` unless the namespace folder is the one opened."""
         self.answering.wait()
+        held = self._folder_fd
+        if held is not None and os.fstat(held).st_nlink == 0:
+            # Removed (the folder is held open, so its inode number cannot be reused by
+            # a folder made again in its place, which would pass the check below).
+            raise DirectoryGone(errno.ENOENT, f"the folder {self.folder} was removed")
         try:
             st = self.os.stat(self.folder)
         except FileNotFoundError:
@@ -243,8 +250,19 @@ class DiskFiles:
         """Make the namespace folder (and the root) if missing, and remember which it is."""
         if not self.read_only:
             self.folder.mkdir(parents=True, exist_ok=True)
-        st = os.stat(self.folder)
+        fd = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        st = os.fstat(fd)
+        self.close_folder()
+        self._folder_fd = fd
+        self._folder_release = weakref.finalize(self, os.close, fd)
         self._identity = (st.st_dev, st.st_ino)
+
+    def close_folder(self) -> None:
+        """Let go of the folder held open (at close)."""
+        if self._folder_fd is not None:
+            self._folder_release.detach()
+            os.close(self._folder_fd)
+            self._folder_fd = None
 
     def probe_direct(self) -> bool:
         """Whether this file system takes ``O_DIRECT`` reads and writes (one small file)."""
