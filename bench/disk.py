@@ -1,0 +1,646 @@
+"""Write and read throughput of the disk tier, beside raw sequential file writes and reads.
+
+For 256 KiB and 2 MiB values (the namespace's ``row_bytes``), ``--mib`` MiB of
+random rows (in one page-aligned ``mmap``, as the CPU tier's pool rows are)
+are written and read back by each case, ``--repeat`` rounds after a warm-up
+round (the best round counts: these machines are noisy):
+
+- ``raw``: one file per value, written sequentially the plain way (``open``,
+  ``write``, ``close``) and read back into a preallocated aligned row
+  (``open``, ``readinto``, ``close``), in one flat folder;
+- ``raw+xxh3``: the same, each row's XXH3 taken just before its write or just
+  after its read: the most a tier that checksums its values can reach;
+- ``raw O_DIRECT``: the same as ``raw`` with ``O_DIRECT`` (information: the
+  device with no page cache between);
+- ``tier``: `DiskTier.write` of ``--batch`` chunks a call, one call at a time
+  (as the engine's write-through does), and `DiskTier.read` of them back into
+  the rows, ``direct_io=False`` (``buffered``) and ``direct_io=None`` (the
+  default: ``O_DIRECT`` where the file system takes it: ``O_DIRECT`` in the
+  table), ``fsync="none"`` (the default). The tier's folder keeps its shard
+  folders from round to round, as a tier in use does.
+
+The cases take turns batch by batch (``--batch`` values of one case, then of
+the next, the order turning each batch), so that each meets the machine in
+the same state; the buffered cases and the ``O_DIRECT`` ones run apart (an
+``O_DIRECT`` write waits for the device). Between the writes and the reads
+every file is ``fsync``-ed and dropped from the page cache
+(``posix_fadvise(POSIX_FADV_DONTNEED)``, no root needed; ``fincore`` checks
+it), so ``read cold`` comes from the device; ``read warm`` reads the files
+again straight after (from the page cache where the case reads through it;
+an ``O_DIRECT`` read always goes to the device). Buffered writes with
+``fsync="none"`` land in the page cache (the kernel writes them back later),
+so ``write`` is the speed a caller sees, not the device's; ``write
+fdatasync`` (each value synced before it is visible: ``fsync="data"``; one
+round, information) is the device's. On a VM that gives free memory back to
+its host (free page reporting: the first line says), each page the page
+cache takes is faulted in by the host first: buffered writes and buffered
+cold reads then run near the VM's first-touch speed (measured and printed),
+whatever the disk does.
+
+The figure that matters is the ratio, tier over raw: the better of the
+tier's two modes over raw, per direction and value size (``ratio``: of the
+best rounds; ``median``: the median of each round's own ratio; ``default``:
+``direct_io=None``'s ratio). Target (issue #19): >= 0.8 for ``write`` and
+``read cold`` at both sizes; a miss is printed as ``TARGET MISSED`` and the
+exit status is 1 (``--quick``, a smoke run of a few seconds, prints the
+targets but does not enforce them: its runs are too short to mean anything).
+
+Last, the scan at open: ``--scan`` values of 4 KiB are written, and a fresh
+`DiskTier` is constructed and opened (its index rebuilt from the files'
+heads) with the page cache warm, then with the files dropped from it:
+microseconds a value. Dropping by ``fadvise`` leaves the kernel's dentry and
+inode caches warm; ``--drop-caches`` (root) also writes 3 to
+``/proc/sys/vm/drop_caches`` before the cold reads and the cold scan: the
+whole machine's caches, other programs' too.
+
+Measured on a 2-vCPU Firecracker VM, ext4 on virtio_blk, 3 runs (the README's
+"Disk tier: speed" has the table and what costs what): 2 MiB writes 1.97-2.33 of
+raw (``O_DIRECT``), cold reads 1.01-1.16; 256 KiB writes 0.42-0.63 (missed),
+cold reads 0.71-0.93; warm reads 0.40-0.43 and 0.78-0.88 (buffered; the default
+``O_DIRECT`` 0.15-0.28); the scan 59-88 us a value warm, 117-132 dropped.
+
+    python bench/disk.py [--dir PATH] [--mib N] [--batch N] [--repeat N] [--scan N]
+                         [--drop-caches] [--quick] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import xxhash
+
+from tiering import make_offload_key
+from tiering._types import OffloadKey
+from tiering.secondary import RemoteNamespace
+from tiering.secondary.disk import DiskTier
+
+SIZES = (256 << 10, 2 << 20)
+TARGET = 0.8
+O_DIRECT: int = getattr(os, "O_DIRECT", 0)
+DROP_CACHES = Path("/proc/sys/vm/drop_caches")
+
+RAW, RAW_XXH3, RAW_DIRECT = "raw", "raw+xxh3", "raw O_DIRECT"
+TIER, TIER_DIRECT = "tier buffered", "tier O_DIRECT"
+WRITE, COLD, WARM, SYNCED = "write", "read cold", "read warm", "write fdatasync"
+CHECKED = (WRITE, COLD)  # the operations the target is checked on
+
+
+def namespace(row_bytes: int) -> RemoteNamespace:
+    return RemoteNamespace(model="bench", dtype="bfloat16", row_bytes=row_bytes, blocks_per_chunk=1)
+
+
+def files_under(folder: Path) -> Iterator[str]:
+    for parent, _, names in os.walk(folder):
+        for name in names:
+            yield os.path.join(parent, name)
+
+
+def drop_cached(folder: Path) -> None:
+    """Write back and drop from the page cache every file under ``folder``."""
+    for path in files_under(folder):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def drop_machine() -> None:
+    """The whole machine's page cache, dentries and inodes (root only)."""
+    os.sync()
+    DROP_CACHES.write_text("3\n")
+
+
+def resident_bytes(folder: Path) -> tuple[int, int]:
+    """Bytes of the files under ``folder`` in the page cache, and their size (``fincore``;
+    (-1, size) where it is missing)."""
+    paths = list(files_under(folder))
+    size = sum(os.path.getsize(p) for p in paths)
+    if shutil.which("fincore") is None or not paths:
+        return -1, size
+    out = subprocess.run(
+        ["fincore", "--bytes", "--noheadings", "--raw", "--output", "RES", *paths],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return sum(int(line) for line in out.stdout.split()), size
+
+
+def device(folder: Path) -> str:
+    """``df -T`` of ``folder``, and the block device's driver where /sys says."""
+    df = subprocess.run(["df", "-T", str(folder)], capture_output=True, text=True, check=False)
+    lines = df.stdout.strip().splitlines()
+    fields = lines[-1].split() if lines else []
+    st = os.stat(folder)
+    driver = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/device/driver")
+    what = os.path.basename(os.path.realpath(driver)) if driver.exists() else "unknown driver"
+    if len(fields) >= 7:
+        free = int(fields[4]) << 10
+        return (
+            f"{fields[0]} ({fields[1]}, {what}) mounted at {fields[6]}, {free / 2**30:.0f} GiB free"
+        )
+    return f"{what} (df -T said nothing)"
+
+
+def first_touch(mib: int) -> dict[str, Any]:
+    """GB/s of the first and the second write to ``mib`` MiB of fresh anonymous memory,
+    and whether this kernel reports free pages to a host (virtio free page reporting)."""
+    buffer = mmap.mmap(-1, mib << 20)
+    array = np.frombuffer(buffer, dtype=np.uint8)
+    speeds = []
+    for value in (1, 2):
+        start = time.perf_counter()
+        array[:] = value
+        speeds.append((mib << 20) / (time.perf_counter() - start) / 1e9)
+    del array
+    buffer.close()
+    cmdline = Path("/proc/cmdline").read_text() if Path("/proc/cmdline").exists() else ""
+    reporting = (
+        "page_reporting" in cmdline or Path("/sys/bus/virtio/drivers/virtio_balloon").exists()
+    )
+    return {"first_gb_per_s": speeds[0], "second_gb_per_s": speeds[1], "reporting": reporting}
+
+
+def drop_caches_note(asked: bool) -> str:
+    if not os.access(DROP_CACHES, os.W_OK):
+        return (
+            f"{DROP_CACHES} is not writable here (not root): cold means this bench's files "
+            "dropped by fadvise; dentries and inodes stay cached"
+        )
+    if asked:
+        return f"{DROP_CACHES} is writable and was written (3) before the cold reads and scan"
+    return (
+        f"{DROP_CACHES} is writable (root) but not used (it drops the whole machine's "
+        "caches; --drop-caches does): cold means this bench's files dropped by fadvise; "
+        "dentries and inodes stay cached"
+    )
+
+
+class Rows:
+    """``n`` rows of ``row_bytes`` in one page-aligned anonymous map, faulted in."""
+
+    def __init__(self, n: int, row_bytes: int) -> None:
+        self.map = mmap.mmap(-1, n * row_bytes)
+        self.array = np.frombuffer(self.map, dtype=np.uint8)
+        self.array[:] = 0
+        view = memoryview(self.map)
+        self.rows = [view[i * row_bytes : (i + 1) * row_bytes] for i in range(n)]
+
+
+# -- the raw baseline --------------------------------------------------------------------
+
+
+def raw_write(paths: Sequence[str], rows: Sequence[memoryview], direct: bool, sync: bool) -> None:
+    if direct:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | O_DIRECT
+        for path, row in zip(paths, rows, strict=True):
+            fd = os.open(path, flags, 0o644)
+            try:
+                if os.write(fd, row) != row.nbytes:
+                    raise OSError(f"short write to {path}")
+                if sync:
+                    os.fdatasync(fd)
+            finally:
+                os.close(fd)
+        return
+    for path, row in zip(paths, rows, strict=True):
+        with open(path, "wb", buffering=0) as f:
+            if f.write(row) != row.nbytes:
+                raise OSError(f"short write to {path}")
+            if sync:
+                os.fdatasync(f.fileno())
+
+
+def raw_read(paths: Sequence[str], rows: Sequence[memoryview], direct: bool) -> None:
+    if direct:
+        for path, row in zip(paths, rows, strict=True):
+            fd = os.open(path, os.O_RDONLY | O_DIRECT)
+            try:
+                if os.readv(fd, [row]) != row.nbytes:
+                    raise OSError(f"short read from {path}")
+            finally:
+                os.close(fd)
+        return
+    for path, row in zip(paths, rows, strict=True):
+        with open(path, "rb", buffering=0) as f:
+            if f.readinto(row) != row.nbytes:
+                raise OSError(f"short read from {path}")
+
+
+def hashed_write(paths: Sequence[str], rows: Sequence[memoryview], sync: bool) -> None:
+    """Raw writes, each row's XXH3 taken just before its write: a checksumming tier's ceiling."""
+    for path, row in zip(paths, rows, strict=True):
+        xxhash.xxh3_64_intdigest(row)
+        raw_write([path], [row], False, sync)
+
+
+def hashed_read(paths: Sequence[str], rows: Sequence[memoryview]) -> None:
+    """Raw reads, each row's XXH3 taken just after its read."""
+    for path, row in zip(paths, rows, strict=True):
+        raw_read([path], [row], False)
+        xxhash.xxh3_64_intdigest(row)
+
+
+# -- one round trip per case -------------------------------------------------------------
+
+
+class Case:
+    """One way of writing and reading the values, in its own folder."""
+
+    def __init__(self, name: str, folder: Path, row_bytes: int, n: int) -> None:
+        self.name = name
+        self.folder = folder
+        self.row_bytes = row_bytes
+        self.n = n
+        self.tier: DiskTier | None = None
+        self.paths = [str(folder / f"{i:06d}.bin") for i in range(n)]
+        self.keys: list[OffloadKey] = [
+            make_offload_key(i.to_bytes(8, "big") + row_bytes.to_bytes(8, "big")) for i in range(n)
+        ]
+
+    @property
+    def is_tier(self) -> bool:
+        return self.name in (TIER, TIER_DIRECT)
+
+    @property
+    def direct(self) -> bool:
+        return self.name in (RAW_DIRECT, TIER_DIRECT)
+
+    async def start(self, fsync: str = "none") -> None:
+        """An empty folder (the tier's shard folders kept from earlier rounds, as in a
+        tier in use) and a fresh tier, opened: untimed."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        for path in files_under(self.folder):
+            if path.endswith((".bin", ".tkv")):
+                os.unlink(path)
+        if self.is_tier:
+            value = self.row_bytes + 4096
+            self.tier = DiskTier(
+                self.folder,
+                2 * self.n * value,
+                namespace(self.row_bytes),
+                fsync=fsync,
+                direct_io=None if self.direct else False,
+                timeout_s=120.0,
+            )
+            await self.tier.open()
+
+    async def stop(self) -> None:
+        if self.tier is not None:
+            stats = self.tier.statistics()
+            await self.tier.aclose()
+            self.tier = None
+            if stats.errors_total or stats.rejected_total:
+                raise SystemExit(f"{self.name}: the tier counted errors or rejections: {stats}")
+
+    async def write(self, rows: list[memoryview], part: range, sync: bool) -> None:
+        """Write the values of ``part`` (one tier call)."""
+        if self.tier is None:
+            paths, chunk = self.paths[part.start : part.stop], rows[part.start : part.stop]
+            if self.name == RAW_XXH3:
+                hashed_write(paths, chunk, sync)
+            else:
+                raw_write(paths, chunk, self.direct, sync)
+            return
+        written = await self.tier.write([(self.keys[i], rows[i]) for i in part])
+        if written != len(part):
+            raise SystemExit(f"{self.name}: wrote {written} of {len(part)}: {self.tier!r}")
+
+    async def read(self, rows: list[memoryview], part: range) -> None:
+        """Read the values of ``part`` back (one tier call)."""
+        if self.tier is None:
+            paths, chunk = self.paths[part.start : part.stop], rows[part.start : part.stop]
+            if self.name == RAW_XXH3:
+                hashed_read(paths, chunk)
+            else:
+                raw_read(paths, chunk, self.direct)
+            return
+        got = await self.tier.read([(self.keys[i], rows[i]) for i in part])
+        if not all(got):
+            raise SystemExit(f"{self.name}: {got.count(False)} misses: {self.tier!r}")
+
+
+async def interleaved(
+    cases: list[Case],
+    n: int,
+    batch: int,
+    run: Callable[[Case, range], Awaitable[None]],
+    check: Callable[[Case, range], None] | None = None,
+) -> dict[str, float]:
+    """Seconds each case took for ``run`` over all ``n`` values, a batch at a time: batch
+    ``j`` of every case in turn (the order turning each batch), so that every case meets
+    the machine in the same state. ``check`` runs after each, untimed."""
+    seconds = dict.fromkeys((c.name for c in cases), 0.0)
+    for j, first in enumerate(range(0, n, batch)):
+        part = range(first, min(n, first + batch))
+        turn = j % len(cases)
+        for case in cases[turn:] + cases[:turn]:
+            start = time.perf_counter()
+            await run(case, part)
+            seconds[case.name] += time.perf_counter() - start
+            if check is not None:
+                check(case, part)
+    return seconds
+
+
+async def run_size(
+    root: Path, row_bytes: int, args: argparse.Namespace, direct_ok: bool
+) -> dict[str, Any]:
+    n = max(args.batch, (args.mib << 20) // row_bytes)
+    source = Rows(n, row_bytes)
+    source.array[:] = np.random.default_rng(row_bytes).integers(0, 256, n * row_bytes, np.uint8)
+    target = Rows(n, row_bytes)
+    names = [RAW, RAW_XXH3, TIER] + ([RAW_DIRECT, TIER_DIRECT] if direct_ok else [])
+    cases = [Case(name, root / f"{row_bytes}-{i}", row_bytes, n) for i, name in enumerate(names)]
+    times: dict[tuple[str, str], list[float]] = {
+        (c.name, op): [] for c in cases for op in (WRITE, COLD, WARM)
+    }
+    residency: tuple[int, int] = (-1, 0)
+    rows = source.rows
+
+    async def write(case: Case, part: range) -> None:
+        await case.write(rows, part, sync=False)
+
+    async def synced(case: Case, part: range) -> None:
+        await case.write(rows, part, sync=True)
+
+    async def read(case: Case, part: range) -> None:
+        await case.read(target.rows, part)
+
+    def check(case: Case, part: range) -> None:
+        got = target.array[part.start * row_bytes : part.stop * row_bytes]
+        if not np.array_equal(got, source.array[part.start * row_bytes : part.stop * row_bytes]):
+            raise SystemExit(f"{case.name}: what was read back is not what was written")
+        got[:] = 0
+
+    # Buffered and O_DIRECT cases run apart (one waits for the page cache, the other for
+    # the device; neither is timed beside the other's work); each group batch by batch.
+    groups = [[c for c in cases if not c.direct], [c for c in cases if c.direct]]
+    groups = [g for g in groups if g]
+
+    async def each_group(
+        run: Callable[[Case, range], Awaitable[None]],
+        check: Callable[[Case, range], None] | None = None,
+        drop: bool = False,
+    ) -> dict[str, float]:
+        seconds: dict[str, float] = {}
+        for group in groups:
+            seconds |= await interleaved(group, n, args.batch, run, check)
+            if drop:  # written back and dropped: the next group starts with nothing dirty
+                for case in group:
+                    drop_cached(case.folder)
+        return seconds
+
+    # Round 0 is a warm-up, not counted: it makes the tier's shard folders (made once in
+    # a tier's life) and the raw folders' first files, and warms everything else.
+    for round_ in range(args.repeat + 1):
+        for case in cases:
+            await case.start()
+        measured = {WRITE: await each_group(write, drop=True)}
+        if args.drop_caches:
+            drop_machine()
+        if round_ == 1:
+            found = [resident_bytes(case.folder) for case in cases]
+            cached = -1 if any(r < 0 for r, _ in found) else sum(r for r, _ in found)
+            residency = (cached, sum(size for _, size in found))
+        measured[COLD] = await each_group(read, check)
+        measured[WARM] = await each_group(read, check)
+        for case in cases:
+            await case.stop()
+        if round_:
+            for op, by_case in measured.items():
+                for name, seconds in by_case.items():
+                    times[(name, op)].append(seconds)
+    for case in cases:  # once: each value synced before it is visible
+        await case.start(fsync="data")
+    for name, seconds in (await each_group(synced)).items():
+        times[(name, SYNCED)] = [seconds]
+    for case in cases:
+        await case.stop()
+        shutil.rmtree(case.folder, ignore_errors=True)
+    return {"row_bytes": row_bytes, "values": n, "times": times, "residency": residency}
+
+
+def summarize(result: dict[str, Any], direct_ok: bool) -> list[dict[str, Any]]:
+    """One row per operation: GB/s per case (best run), ratios to raw, the target's verdict."""
+    row_bytes, n, times = result["row_bytes"], result["values"], result["times"]
+    tiers = [TIER, TIER_DIRECT] if direct_ok else [TIER]
+    out = []
+    for op in (WRITE, COLD, WARM, SYNCED):
+        raw_runs = times[(RAW, op)]
+        best = {name: min(runs) for (name, o), runs in times.items() if o == op}
+        winner = min(tiers, key=lambda t: best[t])
+        paired = statistics.median(
+            r / t for r, t in zip(raw_runs, times[(winner, op)], strict=True)
+        )
+        ratio = best[RAW] / best[winner]
+        out.append(
+            {
+                "row_bytes": row_bytes,
+                "values": n,
+                "op": op,
+                "gb_per_s": {name: n * row_bytes / s / 1e9 for name, s in best.items()},
+                "runs_gb_per_s": {
+                    name: [round(n * row_bytes / s / 1e9, 3) for s in runs]
+                    for (name, o), runs in times.items()
+                    if o == op
+                },
+                "best_tier": winner,
+                "ratio": ratio,
+                "median": paired,
+                "default_ratio": best[RAW] / best[tiers[-1]],
+                "checked": op in CHECKED,
+                "met": ratio >= TARGET,
+                "runs": len(raw_runs),
+            }
+        )
+    return out
+
+
+async def scan_bench(root: Path, n: int, args: argparse.Namespace) -> dict[str, float]:
+    """Seconds per value of constructing and opening a `DiskTier` over ``n`` 4 KiB values."""
+    row_bytes = 4096
+    folder = root / "scan"
+    shutil.rmtree(folder, ignore_errors=True)
+    ns = namespace(row_bytes)
+    capacity = 2 * n * (row_bytes + 4096)
+    rows = Rows(256, row_bytes)
+    rows.array[:] = np.random.default_rng(1).integers(0, 256, rows.array.size, np.uint8)
+    tier = DiskTier(folder, capacity, ns, direct_io=False, timeout_s=120.0)
+    for first in range(0, n, 256):
+        part = range(first, min(n, first + 256))
+        keys = [make_offload_key(i.to_bytes(8, "big") + b"scan") for i in part]
+        written = await tier.write([(k, rows.rows[j]) for j, k in enumerate(keys)])
+        if written != len(part):
+            raise SystemExit(f"scan: wrote {written} of {len(part)}: {tier!r}")
+    await tier.aclose()
+    out: dict[str, float] = {}
+    for label, cold in (("warm", False), ("cold", True)):
+        runs: list[tuple[float, float]] = []
+        for _ in range(2):
+            if cold:
+                drop_cached(folder)
+                if args.drop_caches:
+                    drop_machine()
+            start = time.perf_counter()
+            fresh = DiskTier(folder, capacity, ns, timeout_s=120.0)
+            report = await fresh.open()
+            seconds = time.perf_counter() - start
+            await fresh.aclose()
+            if len(report.values) != n or report.dropped:
+                raise SystemExit(
+                    f"scan: found {len(report.values)} of {n}, dropped {report.dropped}"
+                )
+            runs.append((seconds, report.seconds))
+        seconds, scan = min(runs)
+        out[f"{label}_us_per_value"] = seconds / n * 1e6
+        out[f"{label}_scan_us_per_value"] = scan / n * 1e6
+    shutil.rmtree(folder, ignore_errors=True)
+    return out
+
+
+async def probe_direct(root: Path) -> bool:
+    """Whether the tier's probe finds ``O_DIRECT`` on this file system."""
+    folder = root / "probe"
+    tier = DiskTier(folder, 1 << 20, namespace(4096), direct_io=None)
+    await tier.open()
+    found = tier.direct_io
+    await tier.aclose()
+    shutil.rmtree(folder, ignore_errors=True)
+    return found
+
+
+@contextmanager
+def work_folder(parent: str | None) -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="tiering-bench-disk-", dir=parent) as tmp:
+        yield Path(tmp)
+
+
+async def main_async(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    with work_folder(args.dir) as root:
+        direct_ok = await probe_direct(root)
+        info: dict[str, Any] = {
+            "folder": str(root),
+            "device": device(root),
+            "drop_caches": drop_caches_note(args.drop_caches),
+            "direct_io": direct_ok,
+            "resident_after_drop": {},
+            "memory": first_touch(16 if args.quick else 256),
+        }
+        for row_bytes in SIZES:
+            result = await run_size(root, row_bytes, args, direct_ok)
+            rows += summarize(result, direct_ok)
+            info["resident_after_drop"][row_bytes] = result["residency"]
+        info["scan"] = await scan_bench(root, args.scan, args)
+    return rows, info
+
+
+def print_table(rows: list[dict[str, Any]], info: dict[str, Any]) -> None:
+    print(f"folder {info['folder']}: {info['device']}")
+    print(info["drop_caches"])
+    memory = info["memory"]
+    host = (
+        "free memory goes back to the host (free page reporting / a balloon): "
+        if memory["reporting"]
+        else ""
+    )
+    print(
+        f"{host}fresh memory's first touch {memory['first_gb_per_s']:.2f} GB/s, "
+        f"its second {memory['second_gb_per_s']:.2f} GB/s"
+    )
+    direct = "on (the probe found O_DIRECT)" if info["direct_io"] else "off (no O_DIRECT here)"
+    print(f"direct_io=None, the default: {direct}")
+    cases = [RAW, RAW_XXH3, RAW_DIRECT, TIER, TIER_DIRECT]
+    head = "".join(f"{c:>14}" for c in cases)
+    print(f"\nGB/s, best of {rows[0]['runs']} rounds; ratio: the better tier over raw")
+    print(
+        f"{'size':>8} {'operation':>16}{head}  {'ratio':>5} {'median':>6} {'default':>7}"
+        "  better tier: target"
+    )
+    for row in rows:
+        size = f"{row['row_bytes'] >> 10} KiB"
+        speeds = row["gb_per_s"]
+        cells = "".join(f"{speeds[c]:>14.2f}" if c in speeds else f"{'-':>14}" for c in cases)
+        verdict = ("met" if row["met"] else "MISSED") if row["checked"] else "information"
+        print(
+            f"{size:>8} {row['op']:>16}{cells}  {row['ratio']:5.2f} {row['median']:6.2f} "
+            f"{row['default_ratio']:7.2f}  {row['best_tier']}: {verdict}"
+        )
+    resident = info["resident_after_drop"]
+    cached = ", ".join(
+        f"{size >> 10} KiB: {'?' if res < 0 else f'{res / 2**20:.1f}'} of {total / 2**20:.0f} MiB"
+        for size, (res, total) in resident.items()
+    )
+    print(f"in the page cache after the drop (fincore; every case's files, first round): {cached}")
+    scan = info["scan"]
+    print(
+        f"\nopen (construct + open: the index rebuilt by a scan of the heads), "
+        f"{info['scan_values']:,} values of 4 KiB: page cache warm "
+        f"{scan['warm_us_per_value']:.1f} us a value "
+        f"(the scan {scan['warm_scan_us_per_value']:.1f}); "
+        f"files dropped {scan['cold_us_per_value']:.1f} us a value "
+        f"(the scan {scan['cold_scan_us_per_value']:.1f})"
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dir", help="where the files go (default: the system's temp folder)")
+    parser.add_argument("--mib", type=int, default=256, help="MiB written per value size a round")
+    parser.add_argument("--batch", type=int, default=8, help="chunks per tier call")
+    parser.add_argument("--repeat", type=int, default=5, help="rounds (the best counts)")
+    parser.add_argument("--scan", type=int, default=20_000, help="values in the open scan")
+    parser.add_argument("--drop-caches", action="store_true", help="also drop the machine's caches")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: small, not enforced")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    for name in ("mib", "batch", "repeat", "scan"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.quick:
+        args.mib, args.repeat, args.scan = 4, 1, 200
+    if args.drop_caches and not os.access(DROP_CACHES, os.W_OK):
+        parser.error(f"--drop-caches: {DROP_CACHES} is not writable (run as root)")
+    rows, info = anyio.run(main_async, args)
+    info["scan_values"] = args.scan
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+        print(json.dumps(info))
+    else:
+        print_table(rows, info)
+    failures = [
+        f"{r['row_bytes'] >> 10} KiB {r['op']}: tier/raw {r['ratio']:.2f} < {TARGET}"
+        for r in rows
+        if r["checked"] and not r["met"]
+    ]
+    if args.quick:
+        print("--quick: a smoke run; the targets are not enforced", file=sys.stderr)
+        return 0
+    for failure in failures:
+        print(f"TARGET MISSED: {failure}", file=sys.stderr)
+    if not failures and not args.json:
+        print(f"\nevery target met: tier >= {TARGET} of raw for writes and cold reads")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
