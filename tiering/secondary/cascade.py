@@ -139,9 +139,7 @@ class SecondaryCascade:
         self.tier = tier
         self.limits = limits
         #: Most chunks pinned by write-throughs at once (queued or being written).
-        self.max_pinned = (
-            limits.max_pinned(manager.capacity) if max_pinned is None else max_pinned
-        )
+        self.max_pinned = limits.max_pinned(manager.capacity) if max_pinned is None else max_pinned
         self._manager = manager
         self._row = row
         self._on_written = on_written

@@ -161,7 +161,10 @@ class DiskFiles:
         self.folder = root / codec.digest.hex()[:16]
         self._folder = str(self.folder)
         self.fsync = fsync
-        self.direct = direct
+        #: O_DIRECT reads (of aligned rows), and the smallest aligned row written with
+        #: O_DIRECT (None: no O_DIRECT write).
+        self.direct_read = direct
+        self.direct_write_min: int | None = 0 if direct else None
         self.read_only = read_only
         self._identity: tuple[int, int] | None = None
         self._lock_fd: int | None = None
@@ -393,7 +396,7 @@ class DiskFiles:
         if isinstance(found, Verdict):
             return found
         pad = head[codec.header_bytes(key) : size]
-        if pad.nbytes and any(pad.tobytes()):
+        if pad.nbytes and pad != bytes(pad.nbytes):  # a C compare: any() took 28 us
             return Verdict.BAD_LENGTH  # not a head this format writes
         return None
 
@@ -469,7 +472,8 @@ class DiskFiles:
         o = self.os
         final = self.name(key)
         tmp = f"{final}.{os.getpid()}-{next(_SEQUENCE)}{TMP_SUFFIX}"
-        direct = self.direct and _aligned(row)
+        least = self.direct_write_min
+        direct = least is not None and row.nbytes >= least and _aligned(row)
         flags = os.O_WRONLY | os.O_CLOEXEC | (_O_DIRECT if direct else 0)
         size = head_bytes(self.codec, key)
         fd = -1
@@ -611,7 +615,7 @@ class DiskFiles:
         o = self.os
         codec = self.codec
         size = head_bytes(codec, key)
-        direct = self.direct and _aligned(row)
+        direct = self.direct_read and _aligned(row)
         fd = int(o.open(self.name(key), os.O_RDONLY | os.O_CLOEXEC | (_O_DIRECT if direct else 0)))
         try:
             file_bytes = os.fstat(fd).st_size
