@@ -85,7 +85,9 @@ async def test_a_second_engine_loads_what_the_first_wrote_through(anyio_backend:
     second, kv_second = engine_over(store, seed=2)
     async with second:
         assert second.lookup(keys(1, 2, 3, 4)).ready == 0
-        assert await second.promote(keys(1, 2, 3, 4)) == Promotion(3, 3, {"remote": 3})  # one round trip
+        assert await second.promote(keys(1, 2, 3, 4)) == Promotion(
+            3, 3, {"remote": 3}
+        )  # one round trip
         assert second.lookup(keys(1, 2, 3, 4)).ready == 3
         loaded = await (await second.submit_load(keys(1, 2, 3), GPULoadStoreSpec([10, 11, 12])))
         assert loaded.success
