@@ -10,9 +10,13 @@ Design note:
   files. Its index (what it holds, and the policy's order) lives in memory, on
   the event loop; a write that needs room evicts by a `tiering.policies`
   policy first (the engine's default unless told), tail before head as in the
-  CPU tier, and deletes the victims' files before it writes.
-- **Restarts.** Opening (`open`, or the first call) rebuilds the index from a
-  scan of the files' heads, oldest use first (a read sets a file's time):
+  CPU tier, and reuses the victims' files for the new values (making a file
+  costs ~10x reusing one on ext4) or deletes them, before it writes. A call
+  evicts only once a worker thread is its own: one answered without I/O
+  (down, busy) evicts nothing.
+- **Restarts.** Opening (`open`, or the first call, which waits for it at most
+  its timeout, then answers busy) rebuilds the index from a scan of the
+  files' heads in a thread of its own, oldest use first (a read sets a file's time):
   every value a previous process wrote is found, whole; half-written ones
   (temporary names) and ones that fail a check are deleted and counted
   (`open_report`). The payload's checksum is checked at each read, not at the
@@ -27,9 +31,11 @@ Design note:
   another gets a `ConfigError` naming the holder, unless it opens read-only
   (no lock, no writes, nothing deleted).
 - **I/O off the event loop.** Every call is one job in a worker thread (at most
-  ``max_concurrency`` at once; a call that finds none free within its timeout
-  is *busy*). Reads land straight in the caller's row (``preadv`` after the
-  head was checked); with ``O_DIRECT`` (probed at open) an aligned row moves
+  ``max_concurrency`` threads live, counting those a hung disk still holds
+  after their calls timed out; a call that finds none free within its
+  timeout is *busy*). Reads land straight in the caller's row (``preadv``
+  after the head was checked); with ``O_DIRECT`` (probed at open; by default
+  for writes of rows of `DIRECT_WRITE_MIN` or more) an aligned row moves
   between memory and disk with no copy. Buffers are touched only under the
   call's `Guard`, so a call that times out or is cancelled has its buffers back
   at once (an abandon waits for at most one row's read or write in progress).
