@@ -7,6 +7,7 @@ from tiering.errors import ConfigError
 from tiering.policies.arc import ARCPolicy
 from tiering.policies.aslru import ASLRUPolicy
 from tiering.policies.base import CachePolicy, PolicyStatistics
+from tiering.policies.dslru import DSLRUPolicy
 from tiering.policies.lru import LRUPolicy
 
 __all__ = [
@@ -15,13 +16,14 @@ __all__ = [
     "ARCPolicy",
     "ASLRUPolicy",
     "CachePolicy",
+    "DSLRUPolicy",
     "LRUPolicy",
     "PolicyStatistics",
     "create_policy",
 ]
 
 #: Names accepted by `create_policy` (and by ``--policy`` on the command line).
-POLICY_NAMES: tuple[str, ...] = ("lru", "arc", "aslru")
+POLICY_NAMES: tuple[str, ...] = ("lru", "arc", "aslru", "dslru")
 
 
 def create_policy(name: str, capacity: int) -> CachePolicy:
@@ -32,4 +34,6 @@ def create_policy(name: str, capacity: int) -> CachePolicy:
         return ARCPolicy(capacity)
     if name == "aslru":
         return ASLRUPolicy(capacity)
+    if name == "dslru":
+        return DSLRUPolicy(capacity)
     raise ConfigError(f"unknown cache policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
