@@ -42,7 +42,7 @@ class Rig(abc.ABC):
     #: The code a refused write is counted under (``OOM``: a full Redis; ``ENOSPC``: a full disk).
     refusal_code = "OOM"
 
-    async def ready(self) -> None:
+    async def ready(self) -> None:  # noqa: B027 - most tiers need nothing here
         """Called once the tier is entered, before the test."""
 
     @abc.abstractmethod
