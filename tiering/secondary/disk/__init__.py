@@ -56,7 +56,7 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -541,7 +541,7 @@ class DiskTier(SecondaryTier):
     def _make_room(
         self,
         items: list[tuple[OffloadKey, memoryview]],
-        protected: set[OffloadKey],
+        protected: _Protected,
         *,
         dry_run: bool = False,
     ) -> tuple[list[OffloadKey] | None, list[OffloadKey]]:
@@ -551,7 +551,7 @@ class DiskTier(SecondaryTier):
         need = self._used + self._reserved + sum(map(self._value_bytes, new))
         need -= self.capacity_bytes
         if dry_run:
-            evictable = len(self.policy) - sum(1 for k in protected if k in self._sizes)
+            evictable = len(self.policy) - sum(1 for k in set(protected) if k in self._sizes)
             value = self._value_bytes(OffloadKey(bytes(16)))
             return ([] if need <= 0 or math.ceil(need / value) <= evictable else None), new
         return self._evict(need, protected), new
@@ -618,8 +618,8 @@ class DiskTier(SecondaryTier):
 
     # -- the index ------------------------------------------------------------------------
 
-    def _protected(self, items: list[tuple[OffloadKey, memoryview]]) -> set[OffloadKey]:
-        return {k for k, _ in items} | self._reading.keys() | self._writing.keys()
+    def _protected(self, items: list[tuple[OffloadKey, memoryview]]) -> _Protected:
+        return _Protected({k for k, _ in items}, self._reading, self._writing)
 
     def _evict(self, need: int, protected: Any) -> list[OffloadKey] | None:
         """Victims that free at least ``need`` bytes, out of the index (None: not possible)."""
@@ -829,6 +829,24 @@ class _Ticket:
             if not self.started and not self.void:
                 self.void = True
                 self.live.release()
+
+
+class _Protected:
+    """The keys a write may not evict: its own, and those being read or written now
+    (looked up in place: no copy of the tier's in-flight keys per call)."""
+
+    __slots__ = ("batch", "reading", "writing")
+
+    def __init__(
+        self, batch: set[OffloadKey], reading: dict[OffloadKey, int], writing: dict[OffloadKey, int]
+    ) -> None:
+        self.batch, self.reading, self.writing = batch, reading, writing
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.batch or key in self.reading or key in self.writing
+
+    def __iter__(self) -> Iterator[OffloadKey]:
+        return iter(self.batch | self.reading.keys() | self.writing.keys())
 
 
 class _WritePlan:
