@@ -1,10 +1,12 @@
-"""Secondary tiers: stores below the CPU tier (in-process, or shared on Redis).
+"""Secondary tiers: stores below the CPU tier (a local disk, in-process, or shared on Redis).
 
 The contract is `SecondaryTier`; values are namespaced and self-checking
-(`ChunkCodec`, `RemoteNamespace`). `MemoryTier` is the in-process twin used by
-tests. `SecondaryCascade` joins a CPU tier to one: it writes landed stores through and
-promotes chunks back. The Redis tier lives in `tiering.secondary.redis` and is imported only
-where it is used (it needs the ``redis`` extra).
+(`ChunkCodec`, `RemoteNamespace`). `DiskTier` is the persistent disk tier;
+`MemoryTier` is the in-process twin used by tests. `TierChain` joins a CPU tier to
+the tiers below it in order: a `SecondaryCascade` writes landed stores through to
+each, and promotion brings chunks back from the first that has them. The Redis tier
+lives in `tiering.secondary.redis` and is imported only where it is used (it needs
+the ``redis`` extra).
 """
 
 from __future__ import annotations
@@ -22,13 +24,16 @@ from tiering.secondary.cascade import (
     SecondaryCascade,
     SecondaryTierStatistics,
 )
+from tiering.secondary.chain import TierChain
 from tiering.secondary.codec import ChunkCodec, RemoteNamespace, Verdict, writable_row
+from tiering.secondary.disk import DiskTier
 from tiering.secondary.health import HealthGate, TierState
 from tiering.secondary.memory import MemoryStore, MemoryTier
 
 __all__ = [
     "CascadeLimits",
     "ChunkCodec",
+    "DiskTier",
     "HealthGate",
     "Locality",
     "MemoryStore",
@@ -40,6 +45,7 @@ __all__ = [
     "SecondaryStatistics",
     "SecondaryTier",
     "SecondaryTierStatistics",
+    "TierChain",
     "TierState",
     "Verdict",
     "WriteItem",
