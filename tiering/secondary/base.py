@@ -288,6 +288,9 @@ class SecondaryTier(AsyncResource):
     medium: Medium = Medium.STORAGE
     locality: Locality = Locality.REMOTE
     codec: ChunkCodec
+    #: How many write-throughs the tier takes at once (the disk tier overlaps one
+    #: call's file work with the next one's hand-off to its thread).
+    write_concurrency: int = 1
     #: Told the keys of values that left the tier (evicted, or found damaged or gone)
     #: by a tier that knows (the disk tier; a Redis evicts on its own, unseen). The
     #: engine sets it to announce them as KV events.

@@ -151,20 +151,26 @@ class SecondaryCascade:
         self._pending = 0  # chunks queued or being written
         self._idle: anyio.Event | None = None  # made by a waiter; set when nothing is pending
         self._writing = 0  # chunks whose rows a write is reading now
+        self._writers = 0  # write-through tasks still running
         self._queued = self._written = self._dropped = self._failed = 0
         self._promoted = self._promote_failed = 0
 
     # -- life -------------------------------------------------------------------
 
     def start(self, task_group: anyio.abc.TaskGroup) -> None:
-        """Run the write-through task in ``task_group``."""
+        """Run the write-through tasks in ``task_group``: as many as the tier takes writes
+        at once (its ``write_concurrency``, 1 unless it says more)."""
         if self._done is not None:
             raise ResourceClosedError("a secondary cascade starts once; build a new one")
         send, receive = anyio.create_memory_object_stream[_Write](self.limits.cascade_queue)
         self._send = send
         self._intake = True
         self._done = anyio.Event()
-        task_group.start_soon(self._write_queued, receive)
+        writers = max(1, int(getattr(self.tier, "write_concurrency", 1)))
+        self._writers = writers
+        with receive:  # each writer reads a clone; the stream ends when all are closed
+            for _ in range(writers):
+                task_group.start_soon(self._write_queued, receive.clone())
 
     def stop_intake(self) -> None:
         """Queue no more write-throughs (later landed stores are dropped and counted);
@@ -242,21 +248,23 @@ class SecondaryCascade:
                 except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
                     break
             receive.close()
+            self._writers -= 1
             assert self._done is not None  # made by start, before this task runs
-            self._done.set()
+            if not self._writers:
+                self._done.set()
 
     async def _write(self, item: _Write) -> None:
         _, keys, chunk_ids, generation = item
         written = 0
         if generation == self._generation:  # else reset since: the rows hold other chunks
-            self._writing = len(keys)
+            self._writing += len(keys)
             try:
                 rows = [(k, self._row(c)) for k, c in zip(keys, chunk_ids, strict=True)]
                 written = await self.tier.write(rows)
             except Exception:
                 logger.exception("secondary tier: a write-through failed")
             finally:
-                self._writing = 0
+                self._writing -= len(keys)
         self._settle(item, written)
         if written == len(keys) and self._on_written is not None:
             try:

@@ -142,6 +142,7 @@ class DiskTier(SecondaryTier):
     label = "disk"
     medium = Medium.STORAGE
     locality = Locality.LOCAL
+    write_concurrency = 2  # a write's file work overlaps the next one's hand-off
 
     def __init__(
         self,
