@@ -61,6 +61,7 @@ bench: install
 	$(BIN)/python bench/events.py
 	$(BIN)/python bench/remote.py
 	$(BIN)/python bench/concurrency.py
+	$(BIN)/python bench/disk.py
 
 # Regenerate dashboards/tiering.json; check and unit-test the alert rules where promtool is.
 dashboards: install

@@ -9,20 +9,29 @@ round (the best round counts: these machines are noisy):
   ``write``, ``close``) and read back into a preallocated aligned row
   (``open``, ``readinto``, ``close``), in one flat folder;
 - ``raw+xxh3``: the same, each row's XXH3 taken just before its write or just
-  after its read: the most a tier that checksums its values can reach;
+  after its read;
+- ``raw crash-safe``: the least any writer meeting issue #19's rules does, and
+  so the bound for the tier: each row's XXH3 taken, the row and its 8-byte
+  digest written (one ``writev``) under a temporary name in the same folder,
+  closed, renamed into place; read back with one ``readv`` and the XXH3
+  checked (no header, no namespace, no index, no thread);
 - ``raw O_DIRECT``: the same as ``raw`` with ``O_DIRECT`` (information: the
   device with no page cache between);
-- ``tier``: `DiskTier.write` of ``--batch`` chunks a call, one call at a time
-  (as the engine's write-through does), and `DiskTier.read` of them back into
-  the rows, ``direct_io=False`` (``buffered``) and ``direct_io=None`` (the
-  default: ``O_DIRECT`` where the file system takes it: ``O_DIRECT`` in the
-  table), ``fsync="none"`` (the default). The tier's folder keeps its shard
-  folders from round to round, as a tier in use does.
+- ``tier default``, ``tier buffered``, ``tier O_DIRECT``: `DiskTier.write` of
+  ``--batch`` chunks a call, one call at a time (the engine's write-through
+  keeps up to ``DiskTier.write_concurrency`` calls in flight: not measured
+  here), and `DiskTier.read` of them back into the rows, with
+  ``direct_io=None`` (the default: ``O_DIRECT`` only for writes of rows of
+  ``DIRECT_WRITE_MIN`` (1 MiB) or more, so buffered at 256 KiB and
+  ``O_DIRECT`` writes with buffered reads at 2 MiB), ``False`` and ``True``
+  (``O_DIRECT`` both ways), ``fsync="none"`` (the default). The tier's folder
+  keeps its shard folders from round to round, as a tier in use does.
 
 The cases take turns batch by batch (``--batch`` values of one case, then of
 the next, the order turning each batch), so that each meets the machine in
 the same state; the buffered cases and the ``O_DIRECT`` ones run apart (an
-``O_DIRECT`` write waits for the device). Between the writes and the reads
+``O_DIRECT`` write waits for the device; the default tier is with the
+``O_DIRECT`` cases for what it does with ``O_DIRECT``). Between the writes and the reads
 every file is ``fsync``-ed and dropped from the page cache
 (``posix_fadvise(POSIX_FADV_DONTNEED)``, no root needed; ``fincore`` checks
 it), so ``read cold`` comes from the device; ``read warm`` reads the files
@@ -37,13 +46,19 @@ cache takes is faulted in by the host first: buffered writes and buffered
 cold reads then run near the VM's first-touch speed (measured and printed),
 whatever the disk does.
 
-The figure that matters is the ratio, tier over raw: the better of the
-tier's two modes over raw, per direction and value size (``ratio``: of the
-best rounds; ``median``: the median of each round's own ratio; ``default``:
-``direct_io=None``'s ratio). Target (issue #19): >= 0.8 for ``write`` and
-``read cold`` at both sizes; a miss is printed as ``TARGET MISSED`` and the
-exit status is 1 (``--quick``, a smoke run of a few seconds, prints the
-targets but does not enforce them: its runs are too short to mean anything).
+The figure that matters is the ratio over raw of the default tier
+(``direct_io=None``, as a user gets it), per direction and value size
+(``default``: of the best rounds; ``median``: the median of each round's own
+ratio). Target (issue #19): >= 0.8 of raw for ``write`` and ``read cold`` at
+both sizes; a miss is printed as ``TARGET MISSED`` and the exit status is 1
+(``--quick``, a smoke run of a few seconds, prints the targets but does not
+enforce them: its runs are too short to mean anything). Information beside
+it: ``best``, the best of the three tier modes over raw; ``bound``, raw
+crash-safe over raw (where this file system and the crash safety the issue
+asks for put the ceiling: a target over the bound cannot be met by any
+writer that keeps the rules); ``vs bound``, the default tier over raw
+crash-safe (what the tier's own work costs: its header and namespace, index,
+checks, thread hop).
 
 Last, the scan at open: ``--scan`` values of 4 KiB are written, and a fresh
 `DiskTier` is constructed and opened (its index rebuilt from the files'
@@ -54,10 +69,11 @@ inode caches warm; ``--drop-caches`` (root) also writes 3 to
 whole machine's caches, other programs' too.
 
 Measured on a 2-vCPU Firecracker VM, ext4 on virtio_blk, 3 runs (the README's
-"Disk tier: speed" has the table and what costs what): 2 MiB writes 1.97-2.33 of
-raw (``O_DIRECT``), cold reads 1.01-1.16; 256 KiB writes 0.42-0.63 (missed),
-cold reads 0.71-0.93; warm reads 0.40-0.43 and 0.78-0.88 (buffered; the default
-``O_DIRECT`` 0.15-0.28); the scan 59-88 us a value warm, 117-132 dropped.
+"Disk tier: speed" has the table): the default tier over raw, 2 MiB writes
+1.67-2.60 (``O_DIRECT``) and cold reads 0.90-1.07, 256 KiB writes 0.82-0.90: met;
+256 KiB cold reads 0.70-0.75: missed, against a bound of 0.97-1.05 (the tier's own
+work, 0.70-0.74 of the bound); warm reads 0.41-0.44 and 0.77-0.95; the scan 42-81
+us a value warm, 96-159 dropped.
 
     python bench/disk.py [--dir PATH] [--mib N] [--batch N] [--repeat N] [--scan N]
                          [--drop-caches] [--quick] [--json]
@@ -87,7 +103,7 @@ import xxhash
 from tiering import make_offload_key
 from tiering._types import OffloadKey
 from tiering.secondary import RemoteNamespace
-from tiering.secondary.disk import DiskTier
+from tiering.secondary.disk import DIRECT_WRITE_MIN, DiskTier
 
 SIZES = (256 << 10, 2 << 20)
 TARGET = 0.8
@@ -95,7 +111,10 @@ O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 DROP_CACHES = Path("/proc/sys/vm/drop_caches")
 
 RAW, RAW_XXH3, RAW_DIRECT = "raw", "raw+xxh3", "raw O_DIRECT"
-TIER, TIER_DIRECT = "tier buffered", "tier O_DIRECT"
+RAW_SAFE = "raw crash-safe"  # the bound: what any writer meeting issue #19's rules must do
+TIER_DEFAULT, TIER, TIER_DIRECT = "tier default", "tier buffered", "tier O_DIRECT"
+TIERS = {TIER_DEFAULT: None, TIER: False, TIER_DIRECT: True}  # each tier case's direct_io
+CASES = (RAW, RAW_XXH3, RAW_SAFE, RAW_DIRECT, TIER_DEFAULT, TIER, TIER_DIRECT)
 WRITE, COLD, WARM, SYNCED = "write", "read cold", "read warm", "write fdatasync"
 CHECKED = (WRITE, COLD)  # the operations the target is checked on
 
@@ -258,14 +277,51 @@ def hashed_read(paths: Sequence[str], rows: Sequence[memoryview]) -> None:
         xxhash.xxh3_64_intdigest(row)
 
 
+SAFE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+
+
+def safe_write(paths: Sequence[str], rows: Sequence[memoryview], sync: bool) -> None:
+    """The least a crash-safe, self-checking writer does (issue #19): each row's XXH3
+    taken, the row and its 8-byte digest written (one ``writev``) under a temporary name
+    in the same folder, closed (``fdatasync``-ed first with ``sync``), renamed into place:
+    a reader sees the whole value or none, and can check it."""
+    for path, row in zip(paths, rows, strict=True):
+        digest = xxhash.xxh3_64_digest(row)
+        tmp = path + ".tmp"
+        fd = os.open(tmp, SAFE_FLAGS, 0o644)
+        try:
+            if os.writev(fd, [row, digest]) != row.nbytes + len(digest):
+                raise OSError(f"short write to {tmp}")
+            if sync:
+                os.fdatasync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+
+
+def safe_read(paths: Sequence[str], rows: Sequence[memoryview]) -> None:
+    """Its reader: the row and its digest read (one ``readv``), the row's XXH3 checked."""
+    digest = bytearray(8)
+    for path, row in zip(paths, rows, strict=True):
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            if os.readv(fd, [row, digest]) != row.nbytes + len(digest):
+                raise OSError(f"short read from {path}")
+        finally:
+            os.close(fd)
+        if xxhash.xxh3_64_digest(row) != digest:
+            raise OSError(f"{path}: bad checksum")
+
+
 # -- one round trip per case -------------------------------------------------------------
 
 
 class Case:
     """One way of writing and reading the values, in its own folder."""
 
-    def __init__(self, name: str, folder: Path, row_bytes: int, n: int) -> None:
+    def __init__(self, name: str, folder: Path, row_bytes: int, n: int, direct_ok: bool) -> None:
         self.name = name
+        self.direct_ok = direct_ok
         self.folder = folder
         self.row_bytes = row_bytes
         self.n = n
@@ -277,18 +333,27 @@ class Case:
 
     @property
     def is_tier(self) -> bool:
-        return self.name in (TIER, TIER_DIRECT)
+        return self.name in TIERS
 
     @property
     def direct(self) -> bool:
-        return self.name in (RAW_DIRECT, TIER_DIRECT)
+        """Whether the raw case uses ``O_DIRECT``."""
+        return self.name == RAW_DIRECT
+
+    def direct_for(self, op: str) -> bool:
+        """Whether this case's ``op`` (a write or a read) goes round the page cache."""
+        if self.name in (RAW_DIRECT, TIER_DIRECT):
+            return True
+        if self.name == TIER_DEFAULT:  # O_DIRECT writes of large rows, buffered reads
+            return self.direct_ok and op in (WRITE, SYNCED) and self.row_bytes >= DIRECT_WRITE_MIN
+        return False
 
     async def start(self, fsync: str = "none") -> None:
         """An empty folder (the tier's shard folders kept from earlier rounds, as in a
         tier in use) and a fresh tier, opened: untimed."""
         self.folder.mkdir(parents=True, exist_ok=True)
         for path in files_under(self.folder):
-            if path.endswith((".bin", ".tkv")):
+            if path.endswith((".bin", ".tmp", ".tkv")):
                 os.unlink(path)
         if self.is_tier:
             value = self.row_bytes + 4096
@@ -297,7 +362,7 @@ class Case:
                 2 * self.n * value,
                 namespace(self.row_bytes),
                 fsync=fsync,
-                direct_io=None if self.direct else False,
+                direct_io=TIERS[self.name],
                 timeout_s=120.0,
             )
             await self.tier.open()
@@ -316,6 +381,8 @@ class Case:
             paths, chunk = self.paths[part.start : part.stop], rows[part.start : part.stop]
             if self.name == RAW_XXH3:
                 hashed_write(paths, chunk, sync)
+            elif self.name == RAW_SAFE:
+                safe_write(paths, chunk, sync)
             else:
                 raw_write(paths, chunk, self.direct, sync)
             return
@@ -329,6 +396,8 @@ class Case:
             paths, chunk = self.paths[part.start : part.stop], rows[part.start : part.stop]
             if self.name == RAW_XXH3:
                 hashed_read(paths, chunk)
+            elif self.name == RAW_SAFE:
+                safe_read(paths, chunk)
             else:
                 raw_read(paths, chunk, self.direct)
             return
@@ -367,8 +436,11 @@ async def run_size(
     source = Rows(n, row_bytes)
     source.array[:] = np.random.default_rng(row_bytes).integers(0, 256, n * row_bytes, np.uint8)
     target = Rows(n, row_bytes)
-    names = [RAW, RAW_XXH3, TIER] + ([RAW_DIRECT, TIER_DIRECT] if direct_ok else [])
-    cases = [Case(name, root / f"{row_bytes}-{i}", row_bytes, n) for i, name in enumerate(names)]
+    names = [c for c in CASES if direct_ok or c not in (RAW_DIRECT, TIER_DIRECT)]
+    cases = [
+        Case(name, root / f"{row_bytes}-{i}", row_bytes, n, direct_ok)
+        for i, name in enumerate(names)
+    ]
     times: dict[tuple[str, str], list[float]] = {
         (c.name, op): [] for c in cases for op in (WRITE, COLD, WARM)
     }
@@ -392,16 +464,19 @@ async def run_size(
 
     # Buffered and O_DIRECT cases run apart (one waits for the page cache, the other for
     # the device; neither is timed beside the other's work); each group batch by batch.
-    groups = [[c for c in cases if not c.direct], [c for c in cases if c.direct]]
-    groups = [g for g in groups if g]
+    # The default tier is in the O_DIRECT group for the operations it does with O_DIRECT.
+    def groups(op: str) -> list[list[Case]]:
+        split = [[c for c in cases if not c.direct_for(op)], [c for c in cases if c.direct_for(op)]]
+        return [g for g in split if g]
 
     async def each_group(
+        op: str,
         run: Callable[[Case, range], Awaitable[None]],
         check: Callable[[Case, range], None] | None = None,
         drop: bool = False,
     ) -> dict[str, float]:
         seconds: dict[str, float] = {}
-        for group in groups:
+        for group in groups(op):
             seconds |= await interleaved(group, n, args.batch, run, check)
             if drop:  # written back and dropped: the next group starts with nothing dirty
                 for case in group:
@@ -413,15 +488,15 @@ async def run_size(
     for round_ in range(args.repeat + 1):
         for case in cases:
             await case.start()
-        measured = {WRITE: await each_group(write, drop=True)}
+        measured = {WRITE: await each_group(WRITE, write, drop=True)}
         if args.drop_caches:
             drop_machine()
         if round_ == 1:
             found = [resident_bytes(case.folder) for case in cases]
             cached = -1 if any(r < 0 for r, _ in found) else sum(r for r, _ in found)
             residency = (cached, sum(size for _, size in found))
-        measured[COLD] = await each_group(read, check)
-        measured[WARM] = await each_group(read, check)
+        measured[COLD] = await each_group(COLD, read, check)
+        measured[WARM] = await each_group(WARM, read, check)
         for case in cases:
             await case.stop()
         if round_:
@@ -430,7 +505,7 @@ async def run_size(
                     times[(name, op)].append(seconds)
     for case in cases:  # once: each value synced before it is visible
         await case.start(fsync="data")
-    for name, seconds in (await each_group(synced)).items():
+    for name, seconds in (await each_group(SYNCED, synced)).items():
         times[(name, SYNCED)] = [seconds]
     for case in cases:
         await case.stop()
@@ -439,18 +514,24 @@ async def run_size(
 
 
 def summarize(result: dict[str, Any], direct_ok: bool) -> list[dict[str, Any]]:
-    """One row per operation: GB/s per case (best run), ratios to raw, the target's verdict."""
+    """One row per operation: GB/s per case (best round), the ratios, the target's verdict.
+
+    ``ratio``: the default tier over raw (the target's, as a user gets the tier);
+    ``median``: the median of each round's own ratio; ``best_ratio``: the best tier mode
+    over raw; ``bound``: raw crash-safe over raw (how far the file system and the crash
+    safety the issue asks for put the ceiling); ``vs_bound``: the default tier over raw
+    crash-safe (what the tier's own work costs)."""
     row_bytes, n, times = result["row_bytes"], result["values"], result["times"]
-    tiers = [TIER, TIER_DIRECT] if direct_ok else [TIER]
+    tiers = [t for t in TIERS if direct_ok or t != TIER_DIRECT]
     out = []
     for op in (WRITE, COLD, WARM, SYNCED):
-        raw_runs = times[(RAW, op)]
         best = {name: min(runs) for (name, o), runs in times.items() if o == op}
         winner = min(tiers, key=lambda t: best[t])
+        raw_runs = times[(RAW, op)]
         paired = statistics.median(
-            r / t for r, t in zip(raw_runs, times[(winner, op)], strict=True)
+            r / t for r, t in zip(raw_runs, times[(TIER_DEFAULT, op)], strict=True)
         )
-        ratio = best[RAW] / best[winner]
+        ratio = best[RAW] / best[TIER_DEFAULT]
         out.append(
             {
                 "row_bytes": row_bytes,
@@ -462,10 +543,12 @@ def summarize(result: dict[str, Any], direct_ok: bool) -> list[dict[str, Any]]:
                     for (name, o), runs in times.items()
                     if o == op
                 },
-                "best_tier": winner,
                 "ratio": ratio,
                 "median": paired,
-                "default_ratio": best[RAW] / best[tiers[-1]],
+                "best_tier": winner,
+                "best_ratio": best[RAW] / best[winner],
+                "bound": best[RAW] / best[RAW_SAFE],
+                "vs_bound": best[RAW_SAFE] / best[TIER_DEFAULT],
                 "checked": op in CHECKED,
                 "met": ratio >= TARGET,
                 "runs": len(raw_runs),
@@ -566,24 +649,40 @@ def print_table(rows: list[dict[str, Any]], info: dict[str, Any]) -> None:
         f"{host}fresh memory's first touch {memory['first_gb_per_s']:.2f} GB/s, "
         f"its second {memory['second_gb_per_s']:.2f} GB/s"
     )
-    direct = "on (the probe found O_DIRECT)" if info["direct_io"] else "off (no O_DIRECT here)"
+    direct = (
+        f"the probe found O_DIRECT: writes of rows of {DIRECT_WRITE_MIN >> 10} KiB or more "
+        "use it, reads go through the page cache"
+        if info["direct_io"]
+        else "no O_DIRECT here: buffered both ways"
+    )
     print(f"direct_io=None, the default: {direct}")
-    cases = [RAW, RAW_XXH3, RAW_DIRECT, TIER, TIER_DIRECT]
-    head = "".join(f"{c:>14}" for c in cases)
-    print(f"\nGB/s, best of {rows[0]['runs']} rounds; ratio: the better tier over raw")
+    cases = [c for c in CASES if any(c in row["gb_per_s"] for row in rows)]
+    head = "".join(f"{c:>15}" for c in cases)
     print(
-        f"{'size':>8} {'operation':>16}{head}  {'ratio':>5} {'median':>6} {'default':>7}"
-        "  better tier: target"
+        f"\nGB/s, best of {rows[0]['runs']} rounds. Over raw: default (the target's: "
+        f"direct_io=None, as a user gets it; >= {TARGET}), median (of each round's), "
+        "best (the best tier mode), bound (raw crash-safe); vs bound: the default over "
+        "raw crash-safe (the tier's own cost)"
+    )
+    print(
+        f"{'size':>8} {'operation':>16}{head}  {'default':>7} {'median':>6} {'best':>5} "
+        f"{'bound':>5} {'vs bound':>8}  target"
     )
     for row in rows:
         size = f"{row['row_bytes'] >> 10} KiB"
         speeds = row["gb_per_s"]
-        cells = "".join(f"{speeds[c]:>14.2f}" if c in speeds else f"{'-':>14}" for c in cases)
+        cells = "".join(f"{speeds[c]:>15.2f}" for c in cases)
         verdict = ("met" if row["met"] else "MISSED") if row["checked"] else "information"
+        if row["checked"] and row["bound"] < TARGET:
+            verdict += f" (the bound itself is under {TARGET})"
         print(
-            f"{size:>8} {row['op']:>16}{cells}  {row['ratio']:5.2f} {row['median']:6.2f} "
-            f"{row['default_ratio']:7.2f}  {row['best_tier']}: {verdict}"
+            f"{size:>8} {row['op']:>16}{cells}  {row['ratio']:7.2f} {row['median']:6.2f} "
+            f"{row['best_ratio']:5.2f} {row['bound']:5.2f} {row['vs_bound']:8.2f}  {verdict}"
         )
+    print(
+        "best tier mode: "
+        + ", ".join(f"{row['row_bytes'] >> 10} KiB {row['op']}: {row['best_tier']}" for row in rows)
+    )
     resident = info["resident_after_drop"]
     cached = ", ".join(
         f"{size >> 10} KiB: {'?' if res < 0 else f'{res / 2**20:.1f}'} of {total / 2**20:.0f} MiB"
@@ -628,7 +727,7 @@ def main() -> int:
     else:
         print_table(rows, info)
     failures = [
-        f"{r['row_bytes'] >> 10} KiB {r['op']}: tier/raw {r['ratio']:.2f} < {TARGET}"
+        f"{r['row_bytes'] >> 10} KiB {r['op']}: tier default/raw {r['ratio']:.2f} < {TARGET}"
         for r in rows
         if r["checked"] and not r["met"]
     ]
@@ -638,7 +737,7 @@ def main() -> int:
     for failure in failures:
         print(f"TARGET MISSED: {failure}", file=sys.stderr)
     if not failures and not args.json:
-        print(f"\nevery target met: tier >= {TARGET} of raw for writes and cold reads")
+        print(f"\nevery target met: the default tier >= {TARGET} of raw, writes and cold reads")
     return 1 if failures else 0
 
 
