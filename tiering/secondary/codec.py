@@ -55,6 +55,7 @@ __all__ = [
     "ChunkCodec",
     "RemoteNamespace",
     "Verdict",
+    "payload_row",
     "writable_row",
 ]
 
@@ -171,7 +172,9 @@ def writable_row(buffer: Any, row_bytes: int) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-def _payload_view(payload: Any, row_bytes: int) -> memoryview:
+def payload_row(payload: Any, row_bytes: int) -> memoryview:
+    """``payload`` as a contiguous byte memoryview of exactly ``row_bytes`` bytes (read
+    only is fine); `SpecError` (a programming error) when it is not one."""
     view = memoryview(payload)
     if not view.c_contiguous:
         raise SpecError("a chunk payload must be C-contiguous")
@@ -228,7 +231,7 @@ class ChunkCodec:
         the stored value fails its checksum and is never loaded. Raises
         `SpecError` when the payload is not one row.
         """
-        body = _payload_view(payload, self.row_bytes)
+        body = payload_row(payload, self.row_bytes)
         key_bytes = bytes(key)
         if len(key_bytes) > 0xFFFF:
             raise SpecError(f"a chunk key must be at most 65535 bytes, got {len(key_bytes)}")
@@ -261,7 +264,7 @@ class ChunkCodec:
         the row changes before it is sent, the stored value fails its checksum
         and is never loaded). Raises `SpecError` when the payload is not one row.
         """
-        body = _payload_view(payload, self.row_bytes)
+        body = payload_row(payload, self.row_bytes)
         key_bytes = bytes(key)
         if len(key_bytes) > 0xFFFF:
             raise SpecError(f"a chunk key must be at most 65535 bytes, got {len(key_bytes)}")

@@ -66,7 +66,7 @@ import anyio.to_thread
 
 from tiering._types import Medium, OffloadKey
 from tiering.config import DEFAULT_POLICY
-from tiering.errors import ConfigError, ResourceClosedError, SpecError
+from tiering.errors import ConfigError, ResourceClosedError
 from tiering.policies import CachePolicy, create_policy
 from tiering.secondary.base import (
     UNWRITTEN_BACKING_OFF,
@@ -85,7 +85,7 @@ from tiering.secondary.base import (
     describe,
 )
 from tiering.secondary.checksum import Checksum
-from tiering.secondary.codec import ChunkCodec, RemoteNamespace, writable_row
+from tiering.secondary.codec import ChunkCodec, RemoteNamespace, payload_row, writable_row
 from tiering.secondary.disk.files import (
     FSYNC_POLICIES,
     FULL_ERRNOS,
@@ -353,7 +353,7 @@ class DiskTier(SecondaryTier):
 
     async def write(self, items: Sequence[WriteItem]) -> int:
         self._check_open()
-        rows = [(key, _payload(row, self.row_bytes)) for key, row in items]
+        rows = [(key, payload_row(row, self.row_bytes)) for key, row in items]
         c = self._counters
         c.write_calls += 1
         if not rows:
@@ -861,17 +861,6 @@ class _WritePlan:
         self.new: list[OffloadKey] = []
         self.victims: list[OffloadKey] = []
         self.busy = self.no_room = self.reserved = 0
-
-
-def _payload(payload: Any, row_bytes: int) -> memoryview:
-    view = memoryview(payload)
-    if not view.c_contiguous:
-        raise SpecError("a chunk payload must be C-contiguous")
-    if view.nbytes != row_bytes:
-        raise SpecError(
-            f"a chunk payload must be exactly one row of {row_bytes} bytes, got {view.nbytes}"
-        )
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 def _with_capacity(snapshot: SecondaryStatistics, **fields: int) -> SecondaryStatistics:
