@@ -30,6 +30,8 @@ import errno
 import hashlib
 import os
 import shutil
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -658,3 +660,59 @@ async def test_every_tier_of_a_chain_describes_a_chunk_alike(anyio_backend: str)
         ("STORAGE", "LOCAL", [101], tokens),
         ("STORAGE", "REMOTE", [101], tokens),
     ]
+
+
+# -- the second review: a read's open files, and the scan's waiting threads ---------------
+
+_MANY_CHUNKS = """
+import hashlib, resource, sys
+import anyio, numpy as np
+from tiering._types import make_offload_key
+from tiering.secondary import RemoteNamespace
+from tiering.secondary.disk import DiskTier
+
+async def main(root, n):
+    ns = RemoteNamespace(model="m", dtype="uint8", row_bytes=4096, blocks_per_chunk=1)
+    async with DiskTier(root, n * 8192 * 2, ns, timeout_s=60) as tier:
+        keys = [make_offload_key(i) for i in range(n)]
+        rows = [np.frombuffer(hashlib.shake_128(bytes(k)).digest(4096), np.uint8) for k in keys]
+        for i in range(0, n, 100):
+            await tier.write([(k, r.data) for k, r in zip(keys[i:i + 100], rows[i:i + 100])])
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))  # fewer than the chunks
+        bufs = [np.zeros(4096, np.uint8) for _ in keys]
+        filled = await tier.read([(k, b.data) for k, b in zip(keys, bufs)])
+        good = sum(bool(f) and np.array_equal(b, r) for f, b, r in zip(filled, bufs, rows))
+        print(good, tier.statistics().errors_total)
+
+anyio.run(main, sys.argv[1], int(sys.argv[2]))
+"""
+
+
+def test_a_read_of_more_chunks_than_open_files_allowed_reads_them_all(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _MANY_CHUNKS, str(tmp_path / "disk"), "600"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["600", "0"]  # every chunk, byte-exact; no error
+
+
+async def test_calls_during_a_slow_scan_leave_no_thread_waiting_for_it(
+    tmp_path: Path, namespace: RemoteNamespace, chunks: Any
+) -> None:
+    tier = DiskTier(tmp_path / "disk", 1 << 24, namespace, timeout_s=0.02, max_concurrency=4)
+    gate = threading.Event()
+    real = tier._files.scan
+    tier._files.scan = lambda: (gate.wait(), real())[1]  # a big folder: a long scan
+    key = chunks.keys(1)
+    try:
+        before = threading.active_count()
+        for _ in range(40):
+            assert await tier.contains(key) == [False]  # busy: still scanning
+        assert threading.active_count() <= before + 4  # not one waiting thread a call
+        assert tier.statistics().busy_total == 40
+    finally:
+        gate.set()
+    assert await tier.open() is not None
+    await tier.aclose()

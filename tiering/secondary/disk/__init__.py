@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import errno
+import functools
 import logging
 import math
 import os
@@ -247,9 +248,7 @@ class DiskTier(SecondaryTier):
                 name=f"tiering-disk-scan:{self.path}",
             ).start()  # fmt: skip
         scan = self._scan
-        with anyio.move_on_after(self.timeout_s if timeout == -1.0 else timeout):
-            await anyio.to_thread.run_sync(concurrent.futures.wait, [scan], abandon_on_cancel=True)
-        if not scan.done():
+        if not await _wait_done(scan, self.timeout_s if timeout == -1.0 else timeout):
             return False
         if not self._opened:
             victims = self._adopt(scan.result())  # raises the scan's ConfigError, if any
@@ -322,6 +321,10 @@ class DiskTier(SecondaryTier):
                 await self._idle.wait()
         else:
             await anyio.lowlevel.checkpoint()
+        if self._scan is not None and not self._scan.done():
+            # The scan deletes half-written files: not once the folder is free for another.
+            with anyio.CancelScope(shield=True):
+                await _wait_done(self._scan, self.timeout_s)
         self._files.unlock()
         self._files.close_folder()
 
@@ -784,6 +787,20 @@ class DiskTier(SecondaryTier):
             f"{c.misses_total} misses, {c.reads_total} read, {c.writes_total} written, "
             f"{c.rejected_total} rejected, {c.errors_total} errors]>"
         )
+
+
+async def _wait_done(future: concurrent.futures.Future[Any], limit: float | None) -> bool:
+    """Whether ``future`` is done within ``limit`` seconds (None: for ever). Always a
+    checkpoint; the thread that waits gives up within half a second of its caller."""
+    deadline = None if limit is None else anyio.current_time() + limit
+    while not future.done():
+        left = 0.5 if deadline is None else min(0.5, deadline - anyio.current_time())
+        if left <= 0:
+            return False
+        wait = functools.partial(concurrent.futures.wait, [future], timeout=left)
+        await anyio.to_thread.run_sync(wait, abandon_on_cancel=True)
+    await anyio.lowlevel.checkpoint()
+    return True
 
 
 def _fill(future: concurrent.futures.Future[ScanResult], scan: Callable[[], ScanResult]) -> None:

@@ -78,6 +78,9 @@ FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
 
 _O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 _WILLNEED: int | None = getattr(os, "POSIX_FADV_WILLNEED", None)
+#: Files a read opens (and asks the kernel for) at once.
+READ_AHEAD = 32
+_LATER = OSError(errno.EMFILE, "opened when read")  # a placeholder in a read's window
 _SEQUENCE = itertools.count()
 
 
@@ -578,19 +581,33 @@ class DiskFiles:
         read file's time (the order the index is rebuilt in at the next open), unless
         read-only: a reader changes nothing on disk."""
         self.check_folder()
-        opened = self._open_all(items)
-        try:
-            self._read_all(guard, items, out, touch, opened)
-        finally:
-            for fd in opened:
-                if isinstance(fd, int):
-                    os.close(fd)
+        # A window of files at a time: the read-ahead of a few dozen, and a bounded
+        # number of open files however long the call.
+        for first in range(0, len(items), READ_AHEAD):
+            if guard.abandoned:
+                return
+            window = range(first, min(len(items), first + READ_AHEAD))
+            opened: list[int | OSError] = []
+            try:
+                self._open_all(items, window, opened)
+                if not self._read_all(guard, items, out, touch, window, opened):
+                    return  # abandoned
+            finally:
+                for fd in opened:
+                    if isinstance(fd, int):
+                        os.close(fd)
 
-    def _open_all(self, items: Sequence[tuple[OffloadKey, memoryview]]) -> list[int | OSError]:
-        """Each item's file, opened (or why not); the buffered ones asked of the kernel at
-        once (``WILLNEED``), so the disk reads them all while the first is copied out."""
-        opened: list[int | OSError] = []
-        for key, row in items:
+    def _open_all(
+        self,
+        items: Sequence[tuple[OffloadKey, memoryview]],
+        window: range,
+        opened: list[int | OSError],
+    ) -> None:
+        """Each file of ``window`` opened into ``opened`` (or why not); the buffered ones
+        asked of the kernel at once (``WILLNEED``), so the disk reads them all while the
+        first is copied out. Out of file descriptors, the rest are opened one by one."""
+        for position in window:
+            key, row = items[position]
             direct = self.direct_read and _aligned(row)
             try:
                 fd = int(
@@ -599,13 +616,15 @@ class DiskFiles:
                     )
                 )
             except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE):
+                    opened.append(_LATER)
+                    continue
                 opened.append(exc)
                 continue
             opened.append(fd)
             if not direct and _WILLNEED is not None:
                 with contextlib.suppress(OSError):
                     os.posix_fadvise(fd, 0, 0, _WILLNEED)
-        return opened
 
     def _read_all(
         self,
@@ -613,41 +632,49 @@ class DiskFiles:
         items: Sequence[tuple[OffloadKey, memoryview]],
         out: ReadOutcome,
         touch: bool,
+        window: range,
         opened: list[int | OSError],
-    ) -> None:
-        for position, (key, row) in enumerate(items):
+    ) -> bool:
+        """Read the values of ``window`` from their ``opened`` files; False: abandoned."""
+        for index, position in enumerate(window):
+            key, row = items[position]
             if guard.abandoned:
-                return
+                return False
             try:
-                fd = opened[position]
+                fd = opened[index]
+                if fd is _LATER:  # no descriptor was free at the window's open
+                    fd = opened[index] = int(
+                        self.os.open(self.name(key), os.O_RDONLY | os.O_CLOEXEC)
+                    )
                 if isinstance(fd, OSError):
                     raise fd
                 verdict = self._read_one(guard, position, key, row, out, fd)
             except FileNotFoundError:
                 with guard.lock:
                     if guard.abandoned:
-                        return
+                        return False
                     out.vanished.append(position)
                 continue
             except OSError as exc:
                 with guard.lock:
                     if guard.abandoned:
-                        return
+                        return False
                     out.errors[position] = exc
                 continue
             if verdict is None:
-                return  # abandoned
+                return False
             if self.read_only or (verdict is Verdict.OK and not touch):
                 continue
             path = self.name(key)
             with guard.lock:  # an abandoned call changes nothing more on disk
                 if guard.abandoned:
-                    return
+                    return False
                 with contextlib.suppress(OSError):
                     if verdict is Verdict.OK:
                         os.utime(path)
-                    else:
+                    elif os.stat(path).st_ino == os.fstat(fd).st_ino:  # not a rewrite since
                         self.os.unlink(path)  # never loaded, and never offered again
+        return True
 
     def _read_one(
         self,
