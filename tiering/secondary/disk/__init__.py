@@ -407,12 +407,7 @@ class DiskTier(SecondaryTier):
             await self._run(lambda guard: self._files.read(guard, wanted, out, self.touch_reads))
         finally:
             rewritten = self._rewritten
-            for key in keys:
-                left = self._reading[key] - 1
-                if left:
-                    self._reading[key] = left
-                else:
-                    del self._reading[key]
+            _uncount(self._reading, keys)
             # A write of a key that landed while it was read made a new file: what the
             # read found wrong with the old one says nothing of it.
             fresh = {k for k in keys if k in rewritten}
@@ -420,10 +415,11 @@ class DiskTier(SecondaryTier):
                 if key not in self._reading:
                     rewritten.discard(key)
         good: list[OffloadKey] = []
+        vanished = set(out.vanished)
         for position, verdict in enumerate(out.verdicts):
             key = keys[position]
             if verdict is None:
-                if position not in out.vanished and position not in out.errors:
+                if position not in vanished and position not in out.errors:
                     c.read_misses_total += 1  # not reached: timed out, or the folder was gone
                 continue
             if c.read(key, verdict, self.row_bytes):
@@ -526,12 +522,7 @@ class DiskTier(SecondaryTier):
         gone = set(out.gone)
         # Victims whose files are still on disk: the next write deletes them.
         self._trash.extend(v for i, v in enumerate(plan.victims) if i not in gone)
-        for key, _ in plan.items:
-            left = self._writing[key] - 1
-            if left:
-                self._writing[key] = left
-            else:
-                del self._writing[key]
+        _uncount(self._writing, [key for key, _ in plan.items])
         written = self._settle_write(plan.items, out)
         refused = self._refusals(plan.items, out, writing, cause)
         c.written(written, len(plan.items), self.row_bytes, cause=cause, refused=refused)
@@ -787,6 +778,16 @@ class DiskTier(SecondaryTier):
             f"{c.misses_total} misses, {c.reads_total} read, {c.writes_total} written, "
             f"{c.rejected_total} rejected, {c.errors_total} errors]>"
         )
+
+
+def _uncount(counts: dict[OffloadKey, int], keys: Sequence[OffloadKey]) -> None:
+    """One call fewer for each of ``keys`` (each counted once by that call)."""
+    for key in keys:
+        left = counts[key] - 1
+        if left:
+            counts[key] = left
+        else:
+            del counts[key]
 
 
 async def _wait_done(future: concurrent.futures.Future[Any], limit: float | None) -> bool:
