@@ -730,6 +730,8 @@ def _tier_summary(t: TierReport) -> str:
         reasons = ", ".join(f"{n:,} {why}" for why, n in t.refused_by_reason.items())
         text += f"; commands refused by the store: {reasons}"
     text += f"; {t.errors:,} failed calls"
+    if t.busy:
+        text += f"; {t.busy:,} calls found every worker busy (overload: answered as misses)"
     if t.writes_dropped_by_reason.get("behind"):
         text += "; the tier fell behind the stores (its write queue was full)"
     return text

@@ -132,6 +132,7 @@ class TierReport(msgspec.Struct, frozen=True, kw_only=True):
     rejected_by_reason: dict[str, int]
     refused_by_reason: dict[str, int]  # what the store refused, by code: OOM, ENOSPC...
     lost: int = 0  # values the tier had and found gone (deleted behind its back)
+    busy: int = 0  # calls answered at once, every worker thread of the tier busy: overload
     chunks: int | None = None  # what it holds at the end, where it knows
     used_bytes: int | None = None
     capacity_bytes: int | None = None
@@ -454,6 +455,7 @@ def _tier_report(
         rejected_by_reason=t.rejected_by_reason,
         refused_by_reason=t.refused_by_reason,
         lost=t.lost_total,
+        busy=t.busy_total,
         chunks=t.chunks,
         used_bytes=t.used_bytes,
         capacity_bytes=t.capacity_bytes,
