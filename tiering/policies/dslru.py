@@ -1,70 +1,79 @@
-"""Dueling segmented LRU: the tier follows whichever expert sampled shadow caches say hits most.
+"""Dueling segmented LRU: a tier run by LRU or a segmented LRU, whichever sampled shadows favour.
 
-Design note. No one eviction rule wins everywhere. On the conversation trace an
-adaptive segmented LRU (`ASLRUPolicy`) hits 1.3x-1.9x what LRU hits at 1-3
-million tokens, and a longer ghost history (how long a chunk stored once is
-remembered, so that its second store admits it to the protected segment) adds
-to that at small capacities and costs a little on the synthetic workloads; near
-a workload's whole reuse set (the trace at 20 million tokens) plain LRU beats
-every split. A constant tuned to one of these loses on another, and issue #20
-asks for a policy that is never below LRU on a workload it has not seen. So
-this policy keeps the data of one segmented LRU and lets *experts* vote on how
-to run it, as set dueling does in hardware caches (DIP, DRRIP) and as ACME runs
-several policies in shadow:
+Design note. No one eviction rule wins everywhere. A segmented LRU (probation
+for chunks stored once, protected for chunks reused, a ghost list that admits
+a chunk stored again straight to protected: `ASLRUPolicy`) hits 1.3x-2.1x what
+LRU hits on the Mooncake conversation trace at 0.5-3 million tokens, because
+three keys in four are never used again and LRU gives each of them as long a
+stay as a chunk reused five times. Near a workload's whole reuse set the same
+split costs: every chunk would have stayed long enough under LRU, and the
+split evicts first reuses LRU keeps (the trace at 20 million tokens: 34.3%
+against LRU's 35.1%). How long a chunk stored once should be remembered
+differs too: four tiers' worth of evictions wins on the trace at 0.5-1 million
+tokens (2.1x LRU at 1 million, against 1.9x with ASLRU's two), two wins on the
+synthetic ``chat`` and ``documents``. A constant tuned to one of these loses
+on another, and a workload no one has measured may sit anywhere between. So
+this policy runs one tier with the data of a segmented LRU and lets three
+*experts* vote on how to run it, as set dueling does in hardware caches (DIP,
+DRRIP):
 
-- the experts: LRU, and segmented LRU with a ghost history of ``histories[i]``
-  capacities (2 and 4 by default; 2 is ASLRU's own default);
-- each expert runs a *shadow*: the real policy class over a ``1 / 2**k`` sample
-  of the keys (a CRC-32 of the key picks it, deterministic) in a tier of
-  ``capacity >> k`` chunks, fed the sampled keys of every request in order: its
-  leading run of keys it holds are its hits (prefix hits, as the manager counts
-  them), the rest are stored, evicting as the manager does; sampling keys and
-  capacity alike keeps the hit rate of each expert (as SHARDS keeps miss-ratio
-  curves);
-- every quarter of ``capacity >> k`` sampled keys the hits of each shadow are
-  added to a decayed score (factor ``decay`` a period); the real tier switches
-  to the best expert once its score beats the current one's by ``margin``
-  (hysteresis, so noise does not flap it). It starts under LRU: where the
-  experts tie (a tier still filling, or one near the whole reuse set) it stays
-  LRU, and a split has to prove itself first.
+- *LRU*: evict the least recently used key of both segments (their union is
+  one LRU order, merged by the request clock each key keeps);
+- *segmented, history h* (``histories``: 2 and 4 tiers' worth): evict as
+  `ASLRUPolicy` does, and admit to protected a key stored again within h
+  tiers' worth of probation evictions of its own.
 
-The real tier has a probation and a protected segment, each ordered by a
-request clock (the value of a key is the request that last used it), two ghost
-lists with the eviction count of their segment (as `ASLRUPolicy`), and the
-probation target ASLRU learns from marginal ghost hits. Every expert keeps them
-alike (promotion on reuse, admission from a ghost, the target), so a switch
-finds them ready; experts differ in eviction only. A segmented expert evicts
-as `ASLRUPolicy` does, with its own ghost history; LRU evicts the older of the
-two segments' coldest keys, so their union is one LRU order.
+Each expert runs a *shadow*: its rule over a ``1 / 2**k`` sample of the keys
+(a CRC-32 of the key picks it, so a run is deterministic) in a tier of
+``capacity >> k`` chunks, fed the sampled keys of every request in order. A
+shadow counts its hits as the manager does (the leading run of a request's
+keys it holds) and stores the rest; sampling keys and capacity alike keeps an
+expert's hit rate (as SHARDS keeps miss-ratio curves). ``k`` is chosen so a
+shadow holds about 64 chunks (one key in 64 at most; small tiers are shadowed
+whole). Every quarter of a shadow's capacity of sampled keys the shadows' hits
+are added to decayed scores (factor ``decay``); the tier follows another
+expert when its score beats the current one's by ``margin``. It starts under
+LRU: a tier still filling, or one holding the whole reuse set, where the
+experts tie, stays LRU, and a split has to prove itself first. Every expert
+keeps the segments alike (promotion on reuse, admission from a ghost, ASLRU's
+probation target learnt from marginal ghost hits), so a switch finds them
+ready; the experts differ in eviction and in how far back a ghost admits.
 
-Figures (hit blocks over all blocks; x LRU; share of the LRU-to-optimum gap),
-conversation trace: 500,000 tokens 8.03% (1.81x, 27%; aslru 1.65x), 1,000,000
-10.92% (2.05x, 29%; aslru 1.92x), 3,000,000 18.03% (1.32x, 21%; as aslru),
-10,000,000 30.11% (1.06x, 20%), 20,000,000 35.13% (1.00x: LRU's own, where
-aslru is 0.98x). ``chat`` and ``documents`` at bench/policy.py's capacities:
-1.02x-1.32x, within 0.5 point of aslru. What it does not do: predict a chunk's
-first reuse. On the trace at 3,000,000 tokens the optimum's lead over aslru is
-13.8 of its 17.1 points in second uses of a chunk (first reuses), and no
-feature this policy sees (depth, request length, hits of the prefix, position
-from the end but the last block) moves the chance of a first reuse far from
-one in four.
+What it reaches, and why no further. On the conversation trace (hit blocks
+over all blocks; x LRU; share of the gap from LRU to the offline optimum):
+500,000 tokens 7.95% (1.79x, 27%), 1,000,000 10.87% (2.04x, 29%), 3,000,000
+18.28% (1.34x, 22%), 10,000,000 29.87% (1.05x, 17%), 20,000,000 35.13%
+(1.00x: LRU's own, the shadows never let a split take over). ``chat`` and
+``documents`` at bench/policy.py's capacities: 1.02x-1.32x, never below LRU
+(`bench/policy.py`). What it does not do is predict a chunk's *first* reuse,
+and that is most of what is left at 3,000,000 tokens: the optimum's lead there
+is mostly the second use of chunks stored once, the next turn of a
+conversation seen once. Whether a conversation comes back is all but random to
+anything a policy sees: a first turn has a next one 33.5% of the time, and
+between 17% and 44% however it is cut (prompt length, last-block fill, answer
+length, arrivals), so no predictor built on these beats "never". A policy
+given every class's exact reuse distribution in advance (turn depth, time
+since the previous turn, last block) reaches 17.5-17.7% at 3,000,000 tokens;
+given one bit more per request, whether its conversation has another turn, it
+reaches 28.1%, and still 20.2% (1.49x) with that bit wrong for 30% of
+requests (`bench/first_reuse.py`). The room left is that bit.
 
 Prefix order: keys come head first and are committed tail first in both
-segments, so within a segment a request's tail goes before its head; the new
-last block of a request goes to probation's cold end under a segmented expert.
+segments, so within a segment a request's tail goes before its head; under
+a segmented expert a request's new last block goes to probation's cold end.
+A key stored and not yet touched by its request is marked, so a request's own
+first touch is never taken for a reuse, however many requests finish between
+its store and its end (the engine at concurrency > 1, vLLM's batches).
 
-Costs: O(1) amortized per key in the real tier (OrderedDict moves; an
-eviction plans every victim before it changes anything, so it is all or
-nothing), plus the shadows' O(1) per sampled key; ``k`` is chosen so a shadow
-holds about 256 chunks, sampling between one key in 16 and one in 32. Below
-``_MIN_SHADOW`` chunks of shadow (tiers under 512 chunks) there are no shadows
-and the first segmented expert runs alone: ASLRU with ``histories[0]``.
-Metadata is bounded: at most ``max(histories) + 1`` capacities of ghost keys in
-the real tier, and ``(max(histories) + 2) / 16`` of a capacity or less in each
-of the ``len(histories) + 1`` shadows (`statistics`: ``history`` counts the
-shadows' keys and ghosts too, ``history_limit`` bounds it). The manager runs at
-about 0.4-0.46x of its speed with LRU with it (bench/manager.py, 3,000,000
-tokens; aslru 0.54-0.58x on the same runs).
+Costs: O(1) amortized per key in the tier (OrderedDict moves; an eviction
+plans every victim before it changes anything, so it is all or nothing), the
+same per sampled key in the shadows; the ghosts forget a generation at a
+time, at no cost per key. Metadata is bounded: the tier's ghosts hold at most
+2 x (``max(histories)`` + 2) capacities of keys (about a third of that in
+use on the trace), each shadow its capacity of keys and as many ghosts in
+proportion (`statistics`: ``history`` counts ghosts and shadow keys,
+``history_limit`` bounds them). The manager runs at about half its speed with
+LRU with it, as with ASLRU (`bench/manager.py`).
 """
 
 from __future__ import annotations
@@ -84,47 +93,98 @@ __all__ = ["DSLRUPolicy"]
 _SINK: deque[object] = deque(maxlen=0)
 _drain: Callable[[Iterable[object]], None] = _SINK.extend  # consume an iterator in C
 
-_MIN_SHADOW = 32  # chunks: below this a shadow says nothing worth following
-_TARGET_SHADOW = 256  # chunks a shadow aims for
-_MIN_SHIFT, _MAX_SHIFT = 4, 5  # sample between 1/16 and 1/32 of the keys
+_TARGET_SHADOW = 64  # chunks a shadow aims for
+_MAX_SHIFT = 6  # sample at least one key in 64
 _PERIODS = 4  # score periods per shadow capacity of sampled keys
-_LRU = 0  # the expert index of LRU; 1.. are the segmented experts
 
 
-class _SegmentedCore(CachePolicy):
-    """Probation and protected segments, ghosts and a learned target, run by one expert.
+class _Ghosts:
+    """Keys evicted from either segment -> their segment's eviction count when they left
+    (positive from probation, negated from protected), in two generations of plain
+    dicts: the older is dropped whole when the newer has taken ``span`` probation keys
+    (or ``limit`` keys in all), so forgetting costs nothing per key and a lookup is two
+    dict probes. A probation key is remembered for ``span`` probation evictions or more
+    (unless protected ones crowd a generation to ``limit``); at most 2 x ``limit`` keys."""
 
-    ``expert`` 0 runs the segments as one LRU order; ``expert`` i >= 1 runs them
-    as `ASLRUPolicy` with a ghost history of ``histories[i - 1]`` chunks. ``step``
-    is in chunks (a float: a shadow's moves are a fraction of a chunk).
+    __slots__ = ("added", "limit", "new", "old", "span")
+
+    def __init__(self, span: int, limit: int) -> None:
+        self.span = max(1, span)
+        self.limit = max(self.span, limit)
+        self.new: dict[OffloadKey, int] = {}
+        self.old: dict[OffloadKey, int] = {}
+        self.added = 0
+
+    def isdisjoint(self, keys: Sequence[OffloadKey]) -> bool:
+        return self.new.keys().isdisjoint(keys) and self.old.keys().isdisjoint(keys)
+
+    def get(self, key: OffloadKey) -> int:
+        """``key``'s signed count, 0 if it is not remembered."""
+        left = self.new.get(key)
+        return self.old.get(key, 0) if left is None else left
+
+    def pop(self, key: OffloadKey) -> int:
+        """Forget ``key`` (it is in one generation at most); its signed count, or 0."""
+        left = self.new.pop(key, None)
+        return self.old.pop(key, 0) if left is None else left
+
+    def add(self, keys: list[OffloadKey], count: int, *, probation: bool) -> int:
+        """Remember ``keys``, evicted from their segment after ``count`` others; the
+        segment's count after them."""
+        total = count + len(keys)
+        new = self.new
+        if probation:
+            new.update(zip(keys, range(count + 1, total + 1), strict=True))
+            self.added += len(keys)
+        else:
+            new.update(zip(keys, range(-count - 1, -total - 1, -1), strict=True))
+        if self.added >= self.span or len(new) >= self.limit:
+            self.old, self.new = new, {}
+            self.added = 0
+        return total
+
+    def __len__(self) -> int:
+        return len(self.new) + len(self.old)
+
+    def clear(self) -> None:
+        self.new, self.old = {}, {}
+        self.added = 0
+
+
+class _Segments(CachePolicy):
+    """Probation and protected segments, their ghosts and ASLRU's learnt target.
+
+    Values are request clocks: a key's last use, or ``-1 - clock`` while the
+    key awaits the first touch of the request that stored it (``clock`` the
+    time of the store). ``lru`` evicts by the clock across both segments;
+    otherwise as `ASLRUPolicy`. ``history`` and ``window`` are in chunks,
+    ``step`` in chunks (a float: a shadow moves by fractions of one).
     """
 
     name = "dslru"
 
-    def __init__(
-        self, capacity: int, histories: tuple[int, ...], expert: int, window: int, step: float
-    ) -> None:
+    def __init__(self, capacity: int, history: int, window: int, step: float, *, lru: bool) -> None:
         self._capacity = capacity
-        self._histories = histories
-        self._expert = expert
+        self._history = history  # evictions a probation ghost is remembered for, at least
+        self._admit = history  # how far back a probation ghost is still admitted
         self._window = window
         self._step = step
+        self._lru = lru
         self._target = 0.0
         self._clock = 0
-        # Front = coldest; values: the request clock of the key's last use.
+        # Front = coldest.
         self._probation: OrderedDict[OffloadKey, int] = OrderedDict()
         self._protected: OrderedDict[OffloadKey, int] = OrderedDict()
-        # Evicted keys -> their segment's eviction count when they left.
-        self._probation_ghost: OrderedDict[OffloadKey, int] = OrderedDict()
-        self._protected_ghost: OrderedDict[OffloadKey, int] = OrderedDict()
+        self._ghosts = _Ghosts(history, history + 2 * capacity)
         self._probation_evictions = self._protected_evictions = 0
+        self._admitted = 0
 
     def insert(self, keys: Sequence[OffloadKey]) -> None:
-        now = self._clock + 1  # the request storing these keys touches them next
-        probation, protected = self._probation, self._protected
-        ghost1, ghost2 = self._probation_ghost, self._protected_ghost
-        if not (ghost1 and ghost1.keys() & keys) and not (ghost2 and ghost2.keys() & keys):
-            probation.update(dict.fromkeys(reversed(keys), now))  # the common case, in C
+        probation = self._probation
+        ghosts = self._ghosts
+        stored = -1 - self._clock
+        if ghosts.isdisjoint(keys):
+            probation.update(dict.fromkeys(reversed(keys), stored))  # the common case, in C
             return
         window, evicted1, evicted2 = (
             self._window,
@@ -134,54 +194,67 @@ class _SegmentedCore(CachePolicy):
         grow = shrink = 0
         run1 = run2 = True
         for key in keys:  # marginal hits of the leading run (see ASLRUPolicy)
-            left = ghost1.get(key)
-            if left is not None and evicted1 - left <= window:
+            left = ghosts.get(key)
+            if left > 0 and evicted1 - left <= window:
                 grow += run1
                 run2 = False
+            elif left < 0 and evicted2 + left <= window:
+                shrink += run2
+                run1 = False
             else:
-                left = ghost2.get(key)
-                if left is not None and evicted2 - left <= window:
-                    shrink += run2
-                    run1 = False
-                else:
-                    break
+                break
             if not (run1 or run2):
                 break
-        for key in reversed(keys):
-            if ghost1.pop(key, None) is not None or ghost2.pop(key, None) is not None:
-                protected[key] = now
-            else:
-                probation[key] = now
+        # Admission: the remembered keys recent enough go to protected, in one step,
+        # and the others to probation in another.
+        remembered = ghosts.new.keys() & keys | ghosts.old.keys() & keys
+        oldest1 = evicted1 - self._admit
+        oldest2 = evicted2 - self._capacity
+        admit = set()
+        pop = ghosts.pop
+        for key in remembered:
+            left = pop(key)
+            if left >= oldest1 if left > 0 else -left >= oldest2:
+                admit.add(key)
+        order = reversed(keys)
+        if admit:
+            self._protected.update(dict.fromkeys([k for k in reversed(keys) if k in admit], stored))
+            order = [k for k in order if k not in admit]  # type: ignore[assignment]
+        probation.update(dict.fromkeys(order, stored))
+        self._admitted += len(admit)
         target = self._target + self._step * (grow - shrink)
         self._target = min(float(self._capacity), max(0.0, target))
 
-    def touch(self, keys: Sequence[OffloadKey]) -> None:
-        if keys:
-            self.commit(keys, True)
-
-    def commit(self, keys: Sequence[OffloadKey], tail: bool) -> None:
-        """`touch` of non-empty ``keys``; ``tail``: the last key ends its request."""
+    def _commit(self, keys: Sequence[OffloadKey], mask: int) -> list[OffloadKey]:
+        """`touch` of non-empty ``keys``; returns those of them the CRC-32 ``mask``
+        samples (``crc32(key) & mask == 0``), head first, found on the same walk."""
         self._clock = now = self._clock + 1
         probation, protected = self._probation, self._protected
+        get = probation.get
+        sampled = []
         for key in reversed(keys):
-            last = probation.get(key)
+            if not crc32(key) & mask:
+                sampled.append(key)
+            last = get(key)
             if last is not None:
-                if last == now:  # the storing request itself
-                    probation.move_to_end(key)
+                if last < 0:  # the storing request's own touch
+                    probation[key] = now
                 else:  # a second request: reuse proven
                     del probation[key]
                     protected[key] = now
             elif key in protected:
                 protected[key] = now
                 protected.move_to_end(key)
-        if tail and self._expert != _LRU and probation.get(keys[-1]) == now:
+        if not self._lru and get(keys[-1]) == now:
             probation.move_to_end(keys[-1], last=False)  # a new last block: first to go
+        sampled.reverse()
+        return sampled
 
     def evict(self, n: int, protected: Container[OffloadKey]) -> list[OffloadKey] | None:
         if n <= 0:
             return []
         probation, kept = self._probation, self._protected
-        if self._expert == _LRU:
+        if self._lru:
             planned = self._plan_lru(n, protected)
             if planned is None:
                 return None
@@ -198,33 +271,31 @@ class _SegmentedCore(CachePolicy):
                 from_probation.extend(islice(from_probation_iter, short))
                 if len(from_probation) + len(from_kept) < n:
                     return None
-        _drain(map(probation.__delitem__, from_probation))
-        _drain(map(kept.__delitem__, from_kept))
+        ghosts = self._ghosts
         if from_probation:
-            base = self._probation_evictions
-            self._probation_evictions = base + len(from_probation)
-            self._probation_ghost.update(
-                zip(from_probation, range(base + 1, self._probation_evictions + 1), strict=True)
+            _drain(map(probation.__delitem__, from_probation))
+            self._probation_evictions = ghosts.add(
+                from_probation, self._probation_evictions, probation=True
             )
-        # Under LRU the longest history is kept, for the segmented experts to come.
-        self._trim(self._probation_ghost, self._histories[self._expert - 1 if self._expert else -1])
         if from_kept:
-            base = self._protected_evictions
-            self._protected_evictions = base + len(from_kept)
-            self._protected_ghost.update(
-                zip(from_kept, range(base + 1, self._protected_evictions + 1), strict=True)
+            _drain(map(kept.__delitem__, from_kept))
+            self._protected_evictions = ghosts.add(
+                from_kept, self._protected_evictions, probation=False
             )
-            self._trim(self._protected_ghost, self._capacity)
-        return from_probation + from_kept
+            from_probation += from_kept
+        return from_probation
 
     def _plan_lru(
         self, n: int, protected: Container[OffloadKey]
     ) -> tuple[list[OffloadKey], list[OffloadKey]] | None:
         """The ``n`` least recently used keys of both segments, merged by their clocks."""
         probation, kept = self._probation, self._protected
-        if not kept:  # the usual state under LRU once protected has drained
-            victims = list(islice(filterfalse(protected.__contains__, probation), n))
+        victims = list(islice(filterfalse(protected.__contains__, probation), n))
+        first = next(filterfalse(protected.__contains__, kept), None) if kept else None
+        if first is None:
             return (victims, []) if len(victims) == n else None
+        if len(victims) == n and _used(probation[victims[-1]]) <= _used(kept[first]):
+            return victims, []  # the usual case: every victim older than protected's coldest
         left: Iterator[OffloadKey] = filterfalse(protected.__contains__, probation)
         right: Iterator[OffloadKey] = filterfalse(protected.__contains__, kept)
         from_probation: list[OffloadKey] = []
@@ -232,7 +303,7 @@ class _SegmentedCore(CachePolicy):
         a = next(left, None)
         b = next(right, None)
         for _ in range(n):
-            if a is not None and (b is None or probation[a] <= kept[b]):
+            if a is not None and (b is None or _used(probation[a]) <= _used(kept[b])):
                 from_probation.append(a)
                 a = next(left, None)
             elif b is not None:
@@ -242,14 +313,6 @@ class _SegmentedCore(CachePolicy):
                 return None
         return from_probation, from_kept
 
-    @staticmethod
-    def _trim(ghost: OrderedDict[OffloadKey, int], limit: int) -> None:
-        over = len(ghost) - limit
-        if over > 0:
-            popitem = ghost.popitem
-            for _ in range(over):
-                popitem(last=False)
-
     def remove(self, keys: Sequence[OffloadKey]) -> None:
         for key in keys:
             if self._probation.pop(key, None) is None:
@@ -258,31 +321,35 @@ class _SegmentedCore(CachePolicy):
     def clear(self) -> None:
         for segment in (self._probation, self._protected):
             segment.clear()
-        for ghost in (self._probation_ghost, self._protected_ghost):
-            ghost.clear()
+        self._ghosts.clear()
         self._target = 0.0
         self._clock = self._probation_evictions = self._protected_evictions = 0
+        self._admitted = 0
 
     def __len__(self) -> int:
         return len(self._probation) + len(self._protected)
 
-    def history(self) -> int:
-        return len(self._probation_ghost) + len(self._protected_ghost)
+    def ghosts(self) -> int:
+        return len(self._ghosts)
 
 
-class _Shadow:
-    """One expert over the sampled keys, and its hits as the manager would count them."""
+def _used(value: int) -> int:
+    """The request clock a segment value stands for (a stored key's: its store)."""
+    return value if value >= 0 else -1 - value
 
-    __slots__ = ("capacity", "held", "hits", "policy")
 
-    def __init__(self, policy: _SegmentedCore, capacity: int) -> None:
-        self.policy = policy
+class _LRUShadow:
+    """The hits, as the manager counts them, of LRU over the sampled keys."""
+
+    __slots__ = ("capacity", "held", "hits")
+
+    def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.held: set[OffloadKey] = set()
+        self.held: OrderedDict[OffloadKey, None] = OrderedDict()
         self.hits = 0
 
     def access(self, keys: list[OffloadKey], tail: bool) -> None:
-        """One request's sampled ``keys``, head first; ``tail``: the last is the request's."""
+        """One request's sampled ``keys``, head first (``tail``: unused by LRU)."""
         held = self.held
         run = 0
         for key in keys:
@@ -290,37 +357,153 @@ class _Shadow:
                 break
             run += 1
         self.hits += run
-        policy = self.policy
-        new = [key for key in dict.fromkeys(keys[run:]) if key not in held]
-        if new:
-            need = len(held) + len(new) - self.capacity
-            policy.insert(new)
-            if need > 0:
-                victims = policy.evict(need, frozenset(keys))
-                if victims is None:  # no room: the store fails, as in the manager
-                    policy.remove(new)
-                    new = []
-                else:
-                    held.difference_update(victims)
-            held.update(new)
-        policy.commit(keys, tail)
+        move = held.move_to_end
+        for key in reversed(keys):
+            if key in held:
+                move(key)
+            else:
+                held[key] = None
+        over = len(held) - self.capacity
+        if over > 0:
+            popitem = held.popitem
+            for _ in range(over):
+                popitem(last=False)
+
+    def keys(self) -> int:
+        return len(self.held)
+
+    def ghosts(self) -> int:
+        return 0
+
+    def limit(self) -> int:
+        return self.capacity
 
     def clear(self) -> None:
-        self.policy.clear()
         self.held.clear()
         self.hits = 0
 
 
-class DSLRUPolicy(_SegmentedCore):
-    """A segmented LRU run by the expert (LRU, or a ghost history) its sampled shadows favour.
+class _SegmentedShadow:
+    """The hits of the segmented expert over the sampled keys: `_Segments`' rule, in the
+    few steps one request of a shadow needs (its store and its touch come together)."""
+
+    __slots__ = (
+        "admit", "capacity", "evicted1", "evicted2", "hits", "memory",
+        "probation", "protected", "step", "target", "window",
+    )  # fmt: skip
+
+    def __init__(self, capacity: int, admit: int, window: int, step: float) -> None:
+        self.capacity = capacity
+        self.admit = admit
+        self.window = window
+        self.step = step
+        self.probation: OrderedDict[OffloadKey, None] = OrderedDict()
+        self.protected: OrderedDict[OffloadKey, None] = OrderedDict()
+        self.memory = _Ghosts(admit, admit + 2 * capacity)
+        self.target = 0.0
+        self.evicted1 = self.evicted2 = self.hits = 0
+
+    def access(self, keys: list[OffloadKey], tail: bool) -> None:
+        """One request's sampled ``keys``, head first; ``tail``: the last is the request's."""
+        probation, protected = self.probation, self.protected
+        run = 0
+        for key in keys:
+            if key not in probation and key not in protected:
+                break
+            run += 1
+        self.hits += run
+        new = [key for key in keys[run:] if key not in probation and key not in protected]
+        if new and not self._store(new, keys):
+            new = []
+        for key in reversed(keys):  # the touch
+            if key in new:
+                continue
+            if key in probation:
+                del probation[key]
+                protected[key] = None
+            elif key in protected:
+                protected.move_to_end(key)
+        if tail and new and new[-1] is keys[-1] and keys[-1] in probation:
+            probation.move_to_end(keys[-1], last=False)
+
+    def _store(self, new: list[OffloadKey], keys: list[OffloadKey]) -> bool:
+        """Insert ``new`` and evict for it (never one of ``keys``); False if no room."""
+        probation, protected = self.probation, self.protected
+        ghosts = self.memory
+        admitted: list[OffloadKey] = []
+        if not ghosts.isdisjoint(new):
+            grow = shrink = 0
+            run1 = run2 = True
+            for key in new:  # marginal hits of the leading run, as `_Segments.insert`
+                left = ghosts.get(key)
+                if left > 0 and self.evicted1 - left <= self.window:
+                    grow += run1
+                    run2 = False
+                elif left < 0 and self.evicted2 + left <= self.window:
+                    shrink += run2
+                    run1 = False
+                else:
+                    break
+                if not (run1 or run2):
+                    break
+            oldest1, oldest2 = self.evicted1 - self.admit, self.evicted2 - self.capacity
+            for key in new:
+                left = ghosts.pop(key)
+                if left and (left >= oldest1 if left > 0 else -left >= oldest2):
+                    admitted.append(key)
+            target = self.target + self.step * (grow - shrink)
+            self.target = min(float(self.capacity), max(0.0, target))
+        need = len(probation) + len(protected) + len(new) - self.capacity
+        if need > 0:
+            want = min(need, max(0, math.ceil(len(probation) - self.target)))
+            spare1 = filterfalse(keys.__contains__, probation)
+            victims1 = list(islice(spare1, want))
+            victims2 = list(islice(filterfalse(keys.__contains__, protected), need - len(victims1)))
+            short = need - len(victims1) - len(victims2)
+            if short:
+                victims1.extend(islice(spare1, short))
+                if len(victims1) + len(victims2) < need:
+                    return False
+            if victims1:
+                _drain(map(probation.__delitem__, victims1))
+                self.evicted1 = ghosts.add(victims1, self.evicted1, probation=True)
+            if victims2:
+                _drain(map(protected.__delitem__, victims2))
+                self.evicted2 = ghosts.add(victims2, self.evicted2, probation=False)
+        for key in reversed(new):
+            if key in admitted:
+                protected[key] = None
+            else:
+                probation[key] = None
+        return True
+
+    def keys(self) -> int:
+        return len(self.probation) + len(self.protected)
+
+    def ghosts(self) -> int:
+        return len(self.memory)
+
+    def limit(self) -> int:
+        return self.capacity + 2 * self.memory.limit
+
+    def clear(self) -> None:
+        self.probation.clear()
+        self.protected.clear()
+        self.memory.clear()
+        self.target = 0.0
+        self.evicted1 = self.evicted2 = self.hits = 0
+
+
+class DSLRUPolicy(_Segments):
+    """Segmented LRU data, evicted by LRU or by the segments, whichever its shadows favour.
 
     ``capacity`` chunks size the ghost lists, the target and the shadows.
-    ``histories`` are the ghost histories of the segmented experts, in
-    capacities (the first runs until the shadows have a say, and alone where
-    the tier is too small for shadows); ``decay`` is the factor on the experts'
-    scores each period; ``margin`` how much more an expert must score than the
-    current one to take over. ``window`` and ``step`` are ASLRU's (marginal
-    window, probation step, fractions of the capacity).
+    ``histories`` are the segmented experts' ghost histories, in capacities
+    (how long a key stored once is remembered, so that its next store admits
+    it to protected); ``decay`` is the factor on the experts' scores each
+    period; ``margin`` how much more an expert must score than the current one
+    to take over. ``window`` and ``step`` are ASLRU's (marginal window,
+    probation step, fractions of the capacity).
     """
 
     name = "dslru"
@@ -338,7 +521,10 @@ class DSLRUPolicy(_SegmentedCore):
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ConfigError(f"DSLRUPolicy capacity must be at least 1 chunk, got {capacity!r}")
         histories = tuple(histories)
-        if not histories or not all(math.isfinite(h) and h >= 0 for h in histories):
+        if not histories or not all(
+            not isinstance(h, bool) and isinstance(h, int | float) and math.isfinite(h) and h >= 0
+            for h in histories
+        ):
             raise ConfigError(
                 f"DSLRUPolicy histories must be one or more finite numbers >= 0, got {histories!r}"
             )
@@ -348,119 +534,118 @@ class DSLRUPolicy(_SegmentedCore):
             ("window", window, math.inf),
             ("step", step, math.inf),
         ):
-            if not (math.isfinite(value) and 0.0 <= value <= high):
+            if isinstance(value, bool) or not (math.isfinite(value) and 0.0 <= value <= high):
                 raise ConfigError(
-                    f"DSLRUPolicy {name} must be a finite number in [0, {high}], got {value}"
+                    f"DSLRUPolicy {name} must be a finite number in [0, {high}], got {value!r}"
                 )
+        self._admits = tuple(int(h * capacity) for h in histories)
         super().__init__(
             capacity,
-            tuple(int(h * capacity) for h in histories),
-            1,
+            max(self._admits),
             max(1, int(window * capacity)),
             max(1.0, step * capacity) if step > 0 else 0.0,
+            lru=True,
         )
+        shift = min(_MAX_SHIFT, max(0, int(math.log2(max(1, capacity // _TARGET_SHADOW)))))
+        size = max(1, capacity >> shift)
+        self._mask = (1 << shift) - 1
+        # Expert 0 is LRU; expert i >= 1 the segments with ghost history histories[i - 1].
+        # A shadow has the same history, window and step as fractions of its (smaller)
+        # capacity: one sampled marginal hit stands for 2**shift real ones.
+        self._shadows: list[_LRUShadow | _SegmentedShadow] = [_LRUShadow(size)]
+        self._shadows += (
+            _SegmentedShadow(
+                size, int(h * size), max(1, int(window * size)), step * size * (1 << shift)
+            )
+            for h in histories
+        )
+        self._scores = [0.0] * len(self._shadows)
         self._decay = decay
         self._margin = margin
-        self._switches = 0
-        # Shadows: one per expert, over 1 / 2**shift of the keys, in capacity >> shift.
-        shift = int(math.log2(max(1, capacity // _TARGET_SHADOW)))
-        shift = min(_MAX_SHIFT, max(_MIN_SHIFT, shift))
-        size = capacity >> shift
-        self._mask = (1 << shift) - 1
-        self._shadows: list[_Shadow] = []
-        if size >= _MIN_SHADOW:
-            # Same window and step as fractions of the (smaller) capacity: one sampled
-            # marginal hit stands for 2**shift real ones.
-            for expert in range(len(histories) + 1):
-                core = _SegmentedCore(
-                    size,
-                    tuple(int(h * size) for h in histories),
-                    expert,
-                    max(1, int(window * size)),
-                    step * size * (1 << shift),
-                )
-                self._shadows.append(_Shadow(core, size))
-        self._scores = [0.0] * len(self._shadows)
         self._period = max(1, size // _PERIODS)
         self._sampled = 0
-        self._first = _LRU if self._shadows else 1
-        self._expert = self._first
+        self._expert = 0
+        self._switches = 0
 
     @property
     def expert(self) -> str:
-        """The expert running the tier now: ``lru`` or ``history=<h>`` (in capacities)."""
-        if self._expert == _LRU:
+        """The expert evicting from the tier now: ``lru`` or ``history=<h>`` (capacities)."""
+        if self._lru:
             return "lru"
-        return f"history={self._histories[self._expert - 1] / self._capacity:g}"
+        return f"history={self._admit / self._capacity:g}"
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         if not keys:
             return
-        if self._shadows:
-            mask = self._mask
-            sampled = [key for key in keys if not crc32(key) & mask]
-            if sampled:
-                self._feed_shadows(sampled, sampled[-1] is keys[-1])
-        self.commit(keys, True)
+        sampled = self._commit(keys, self._mask)
+        if sampled:
+            tail = sampled[-1] is keys[-1]
+            for shadow in self._shadows:
+                shadow.access(sampled, tail)
+            self._sampled += len(sampled)
+            if self._sampled >= self._period:
+                self._score()
 
-    def _feed_shadows(self, sampled: list[OffloadKey], tail: bool) -> None:
-        for shadow in self._shadows:
-            shadow.access(sampled, tail)
-        self._sampled += len(sampled)
-        if self._sampled < self._period:
-            return
+    def _score(self) -> None:
+        """Close a period: decay and add each shadow's hits; switch on a clear lead."""
         self._sampled = 0
         decay, scores = self._decay, self._scores
         for i, shadow in enumerate(self._shadows):
             scores[i] = scores[i] * decay + shadow.hits
             shadow.hits = 0
         best = max(range(len(scores)), key=scores.__getitem__)
-        if best != self._expert and scores[best] > scores[self._expert] * (1 + self._margin):
-            self._expert = best
-            self._switches += 1
+        if best != self._expert and scores[best] > scores[self._expert] * (1.0 + self._margin):
+            self._follow(best)
+
+    def _follow(self, expert: int) -> None:
+        self._expert = expert
+        self._switches += 1
+        self._lru = expert == 0
+        # Under LRU the segments keep the longest memory, for whichever expert comes next.
+        self._admit = self._admits[expert - 1] if expert else self._history
 
     def clear(self) -> None:
         super().clear()
+        self._lru = True
+        self._expert = 0
+        self._admit = self._history
         for shadow in self._shadows:
             shadow.clear()
         self._scores = [0.0] * len(self._shadows)
-        self._expert = self._first
         self._sampled = self._switches = 0
 
     def statistics(self) -> PolicyStatistics:
-        own = super().history()
-        shadow_keys = sum(len(s.policy) for s in self._shadows)
-        shadow_history = sum(s.policy.history() for s in self._shadows)
-        history = own + shadow_keys + shadow_history
-        # Real ghosts: the longest history and a capacity; each shadow: its capacity
-        # of keys, and ghosts of its longest history and its capacity.
-        bound = max(self._histories) + self._capacity
-        limit = bound + sum(
-            s.capacity + max(s.policy._histories) + s.capacity for s in self._shadows
-        )
+        own = self.ghosts()
+        shadow_keys = sum(s.keys() for s in self._shadows)
+        shadow_ghosts = sum(s.ghosts() for s in self._shadows)
+        size = self._shadows[0].capacity
+        # The tier's ghosts (two generations each); each shadow's keys and ghosts.
+        limit = 2 * self._ghosts.limit + sum(s.limit() for s in self._shadows)
         detail: dict[str, float] = {
             "probation": len(self._probation),
             "protected": len(self._protected),
             "target_probation": self._target,
+            "admitted_total": self._admitted,
             "expert": self._expert,
             "expert_switches_total": self._switches,
+            "shadow_capacity": size,
             "shadow_keys": shadow_keys,
-            "shadow_history": shadow_history,
+            "shadow_history": shadow_ghosts,
         }
         for i, score in enumerate(self._scores):
             detail[f"expert_{i}_score"] = score
         return PolicyStatistics(
             name=self.name,
             tracked=len(self),
-            history=history,
+            history=own + shadow_keys + shadow_ghosts,
             history_limit=limit,
-            metadata_bytes=estimate_entry_bytes(len(self) + shadow_keys, own + shadow_history),
+            metadata_bytes=estimate_entry_bytes(len(self) + shadow_keys, own + shadow_ghosts),
             detail=detail,
         )
 
     def __repr__(self) -> str:
         return (
             f"<DSLRUPolicy [probation: {len(self._probation)}, "
-            f"protected: {len(self._protected)}, ghosts: {len(self._probation_ghost)}"
-            f"+{len(self._protected_ghost)}, expert: {self.expert}]>"
+            f"protected: {len(self._protected)}, ghosts: {self.ghosts()}, "
+            f"expert: {self.expert}]>"
         )
