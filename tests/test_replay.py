@@ -10,7 +10,7 @@ import pytest
 
 from tiering.cli import main
 from tiering.errors import CapacityError
-from tiering.policies import POLICY_NAMES
+from tiering.policies import DEFAULT_POLICY, POLICY_NAMES
 from tiering.replay import ReplayOptions, replay
 from tiering.simulate import simulate
 from tiering.transfer.mock import MockJob
@@ -125,7 +125,9 @@ def test_cli_table_has_decimal_units_a_legend_and_says_how_it_compares_with_simu
     rows = {line.split("  ")[0]: line for line in lines}
     assert "MiB" not in "\n".join(lines)
     assert "GiB" not in "\n".join(lines)
-    assert rows["CPU tier"].endswith(" 488 chunks, 4.00 MB, aslru")  # of 8,192 bytes each
+    assert rows["CPU tier"].endswith(
+        f" 488 chunks, 4.00 MB, {DEFAULT_POLICY}"
+    )  # of 8,192 bytes each
     assert "80 requests of the chat workload, 3 at once" in rows["requests"]
     compare, legend = lines[-2:]
     assert compare.startswith("3 requests at once: ")

@@ -19,7 +19,7 @@ one `ConfigError` naming the key):
 
 ==============================  ==================================================
 ``cpu_bytes_to_use``            host bytes of the CPU tier, over all workers (required)
-``eviction_policy``             ``aslru`` (default), ``arc`` or ``lru``
+``eviction_policy``             ``dslru`` (default), ``aslru``, ``arc`` or ``lru``
 ``transfer_backend``            ``auto`` (default: ``cuda`` on a GPU, else ``cpu``),
                                 ``cpu`` or ``cuda``
 ``block_size`` /
