@@ -1,13 +1,16 @@
 """tiering's policies as vLLM cache policies: vLLM's contract, its factory, its scheduler.
 
-The contract suite runs against vLLM's own LRU and ARC policies and the three
-adapters alike, driven as vLLM's ``CPUOffloadingManager`` drives a policy; the
-rest goes through vLLM's real manager, factory and scheduler.
+The contract suite runs against vLLM's own LRU and ARC policies and the
+adapter of every tiering policy (`POLICY_NAMES`) alike, driven as vLLM's
+``CPUOffloadingManager`` drives a policy; the rest goes through vLLM's real
+manager, factory and scheduler.
 """
 
 from __future__ import annotations
 
+import importlib
 import itertools
+import pickle
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -22,15 +25,13 @@ from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus
 from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
 from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy as VllmLRU
 
+import tiering.config
 from tiering.cpu.manager import CPUOffloadingManager as TieringManager
-from tiering.integrations.vllm.policies import (
-    ARCCachePolicy,
-    ASLRUCachePolicy,
-    LRUCachePolicy,
-    TieringCachePolicy,
-)
-from tiering.policies import create_policy
-from tiering.simulate import requests_to_keys
+from tiering.errors import ConfigError
+from tiering.integrations.vllm import vllm_policy_name
+from tiering.integrations.vllm.policies import CACHE_POLICIES, TieringCachePolicy
+from tiering.policies import POLICY_NAMES, create_policy
+from tiering.simulate import requests_to_keys, simulate_keys
 from tiering.workload.trace import read_trace
 
 from .harness import Engine, build_engine, native_extra, write_model
@@ -38,10 +39,10 @@ from .harness import replay as harness_replay
 from .harness import trace_prompts as harness_trace_prompts
 
 MODULE = "tiering.integrations.vllm"
+#: The adapter of every tiering policy, by its class name, loaded as vLLM loads it.
 OURS: dict[str, type[TieringCachePolicy]] = {
-    "LRUCachePolicy": LRUCachePolicy,
-    "ARCCachePolicy": ARCCachePolicy,
-    "ASLRUCachePolicy": ASLRUCachePolicy,
+    vllm_policy_name(policy): getattr(importlib.import_module(MODULE), vllm_policy_name(policy))
+    for policy in POLICY_NAMES
 }
 ALL: dict[str, Callable[[int], CachePolicy]] = {
     "vllm-lru": VllmLRU,
@@ -139,10 +140,30 @@ def test_get_finds_the_inserted_chunk_and_nothing_else(driver: Driver) -> None:
     assert driver.policy.get(A[1]) is None
 
 
-#: After requests A then B, each stored once: the eviction order. ASLRU sends a new
-#: last block first (a prompt's last block is seldom reused; its ghost readmits it).
-ORDER = {name: [*A[::-1], *B[::-1]] for name in ALL}
-ORDER["ASLRUCachePolicy"] = [B[2], *A[::-1], B[1], B[0]]
+def tiering_order(name: str) -> list[OffloadKey]:
+    """The order the tiering policy of adapter ``name`` evicts in after requests A then B,
+    each stored and then touched, as tiering's manager drives it, in a tier of 64."""
+    policy = create_policy(OURS[name].policy_name, 64)
+    for keys in (A, B):
+        policy.insert(keys)
+        policy.touch(keys)
+    victims = policy.evict(len(A) + len(B), frozenset())
+    assert victims is not None
+    return victims
+
+
+#: After requests A then B, each stored once: the eviction order. vLLM's policies
+#: evict a request's tail before its head, the older request first; each adapter
+#: evicts as its tiering policy does (`test_tierings_orders_are_as_documented`).
+ORDER = {name: [*A[::-1], *B[::-1]] for name in ("vllm-lru", "vllm-arc")}
+ORDER.update((name, tiering_order(name)) for name in OURS)
+
+
+def test_tierings_orders_are_as_documented() -> None:
+    # LRU and ARC go as vLLM's; ASLRU sends a new last block first (a prompt's last
+    # block is seldom reused; its ghost readmits it).
+    assert ORDER["LRUCachePolicy"] == ORDER["ARCCachePolicy"] == ORDER["vllm-lru"]
+    assert ORDER["ASLRUCachePolicy"] == [B[2], *A[::-1], B[1], B[0]]
 
 
 @pytest.mark.parametrize("name", sorted(ALL))
@@ -277,13 +298,17 @@ def held(m: CPUOffloadingManager, keys: Sequence[OffloadKey]) -> bool:
     return all(m.lookup(k, context) is LookupResult.HIT for k in keys)
 
 
+# Small tiers: ghost hits decide, and where the adapter inserts them matters (and for
+# DSLRU, what its sampled shadows, fed from its touches, see at two sampling rates).
+@pytest.mark.parametrize("capacity", [300, 600])
 @pytest.mark.parametrize("name", sorted(OURS))
-def test_through_vllms_manager_each_policy_decides_as_in_tierings_own(name: str) -> None:
+def test_through_vllms_manager_each_policy_decides_as_in_tierings_own(
+    name: str, capacity: int
+) -> None:
     # The trace's first requests, one after another, through vLLM's CPUOffloadingManager
     # with the adapter and through tiering's manager with the bare policy: the same
     # hits, the same chunks held after every request, the same policy state.
     keys_of = requests_to_keys(read_trace(require_trace(), limit=1500))
-    capacity = 300  # small: ghost hits decide, and where the adapter inserts them matters
     bare = create_policy(OURS[name].policy_name, capacity)
     ours = TieringManager(capacity, bare)
     theirs = manager(name, capacity)
@@ -298,6 +323,34 @@ def test_through_vllms_manager_each_policy_decides_as_in_tierings_own(name: str)
     assert policy.statistics() == bare.statistics()
     assert hits[0] > 0
     assert policy.statistics().history > 0 or name == "LRUCachePolicy"  # ghosts were used
+
+
+@pytest.mark.slow
+def test_the_default_policy_through_vllms_manager_hits_as_tiering_simulate_predicts() -> None:
+    """The issue's check: `tiering.config.DEFAULT_POLICY` through
+    ``cache_policy_module_path`` under vLLM's native ``CPUOffloadingManager`` hits
+    exactly the blocks `simulate_keys` predicts, and more than vLLM's own LRU.
+
+    The whole conversation trace (12,031 requests, 288,500 blocks), in 1,000,000
+    tokens: one 512-token chunk per hash id as `tiering.simulate` counts them, 1953
+    chunks, a tier where the policy matters (aslru 1.9x LRU, dslru about 2x). About 9 s:
+    3 s for the default through vLLM's manager, 3.5 s for vLLM's LRU, 2 s simulating.
+    """
+    policy = tiering.config.DEFAULT_POLICY  # looked up now: the default will change
+    keys_of = requests_to_keys(read_trace(require_trace()))
+    predicted = simulate_keys(keys_of, capacity_tokens=1_000_000, policy=policy)
+    lru = simulate_keys(keys_of, capacity_tokens=1_000_000, policy="lru")
+    chunks = predicted.capacity_chunks
+    assert chunks == 1953
+    ours, theirs = manager(vllm_policy_name(policy), chunks), manager("lru", chunks)
+    hits = [0, 0]
+    for number, keys in enumerate(keys_of):
+        hits[0] += vllm_request(ours, keys, f"req-{number}")
+        hits[1] += vllm_request(theirs, keys, f"req-{number}")
+    assert isinstance(ours._policy, OURS[vllm_policy_name(policy)])
+    assert hits[0] == predicted.hit_blocks
+    assert hits[1] == lru.hit_blocks  # vLLM's own LRU is tiering's, hit for hit
+    assert hits[0] > hits[1], f"{policy} hit {hits[0]} blocks, vLLM's LRU {hits[1]}"
 
 
 def tiering_request(m: TieringManager, keys: Sequence[OffloadKey]) -> int:
@@ -359,6 +412,36 @@ def test_a_store_refused_for_pinned_chunks_succeeds_on_its_retry(name: str) -> N
 
 
 # -- 2. vLLM's factory loads them by name and module path --------------------------------
+
+
+def test_every_tiering_policy_has_a_vllm_class_that_builds_it() -> None:
+    # By name from the package (vLLM's factory does getattr), with a name of the form
+    # <UPPER>CachePolicy, over the policy create_policy makes for the same capacity.
+    package = importlib.import_module(MODULE)
+    assert list(CACHE_POLICIES) == [vllm_policy_name(policy) for policy in POLICY_NAMES]
+    for policy in POLICY_NAMES:
+        name = vllm_policy_name(policy)
+        assert name == f"{policy.upper()}CachePolicy"
+        assert name.isidentifier()
+        assert name in package.__all__
+        assert name in dir(package)
+        cls = getattr(package, name)
+        assert cls is CACHE_POLICIES[name] is CachePolicyFactory.get_cache_policy_cls(name, MODULE)
+        assert issubclass(cls, TieringCachePolicy)
+        assert (cls.__module__, cls.__qualname__) == (TieringCachePolicy.__module__, name)
+        assert pickle.loads(pickle.dumps(cls)) is cls  # found again by its module and name
+        assert cls.policy_name == policy
+        assert cls.__doc__
+        for capacity in (1, 300, 1953):  # one chunk, a small tier, the default test's
+            adapter = cls(cache_capacity=capacity)
+            bare = create_policy(policy, capacity)
+            assert type(adapter.order) is type(bare)
+            assert adapter.statistics() == bare.statistics()
+    from tiering.integrations.vllm import DSLRUCachePolicy  # the form of an import too
+
+    assert DSLRUCachePolicy is CACHE_POLICIES["DSLRUCachePolicy"]
+    with pytest.raises(ConfigError, match=r"unknown cache policy 'dslur'; choose one of lru"):
+        vllm_policy_name("dslur")
 
 
 @pytest.mark.parametrize("name", sorted(OURS))
@@ -440,7 +523,7 @@ def replay(model: Path, prompts: list[list[int]], policy: str, chunks: int, batc
     return harness_replay(engine, prompts, batch)
 
 
-POLICIES = ("lru", "LRUCachePolicy", "ASLRUCachePolicy", "arc", "ARCCachePolicy")
+POLICIES = ("lru", "arc", *sorted(OURS))  # vLLM's own, then every tiering policy
 
 
 @pytest.mark.slow
@@ -461,5 +544,7 @@ def test_a_trace_replay_through_vllms_scheduler(model: Path) -> None:
     print()
     # One request at a time, tiering's LRU is vLLM's, hit for hit.
     assert hits["LRUCachePolicy/1"] == hits["lru/1"]
-    for batch in (1, 8):
-        assert hits[f"ASLRUCachePolicy/{batch}"] > 1.2 * hits[f"lru/{batch}"]
+    default = vllm_policy_name(tiering.config.DEFAULT_POLICY)
+    for name in dict.fromkeys(("ASLRUCachePolicy", default)):
+        for batch in (1, 8):
+            assert hits[f"{name}/{batch}"] > 1.2 * hits[f"lru/{batch}"], f"{name}/{batch}"

@@ -12,6 +12,7 @@ name                        what vLLM does with it
 ==========================  =============================================
 ``TieringSpec``             ``spec_name``: an ``OffloadingSpec``
 ``ASLRUCachePolicy``, ...   ``eviction_policy``: a CPU-tier ``CachePolicy``
+                            (one per policy of ``POLICY_NAMES``)
 ``RedisSecondaryTier``      a ``secondary_tiers`` entry's ``type``
 ==========================  =============================================
 """
@@ -21,6 +22,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from tiering.policies import POLICY_NAMES
+
 if TYPE_CHECKING:  # pragma: no cover - for type checkers only
     from tiering.integrations.vllm.config import (
         build_offloading_config,
@@ -28,14 +31,14 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers only
         is_kv_cache_tensor_packed,
     )
     from tiering.integrations.vllm.manager import TieringOffloadingManager
-    from tiering.integrations.vllm.policies import (
-        ARCCachePolicy,
-        ASLRUCachePolicy,
-        LRUCachePolicy,
-    )
+    from tiering.integrations.vllm.policies import vllm_policy_name
     from tiering.integrations.vllm.redis_tier import RedisSecondaryTier
     from tiering.integrations.vllm.spec import TieringSpec
     from tiering.integrations.vllm.worker import TieringOffloadingWorker
+
+#: The CPU-tier policy of each tiering policy, named as `policies.vllm_policy_name`
+#: names it (that module imports vLLM; this one does not).
+_POLICY_CLASS_NAMES = [f"{name.upper()}CachePolicy" for name in POLICY_NAMES]
 
 #: Each name this package exposes -> the submodule that defines it.
 _EXPORTS: dict[str, str] = {
@@ -45,16 +48,12 @@ _EXPORTS: dict[str, str] = {
     "TieringSpec": "spec",
     "TieringOffloadingManager": "manager",
     "TieringOffloadingWorker": "worker",
-    "LRUCachePolicy": "policies",
-    "ARCCachePolicy": "policies",
-    "ASLRUCachePolicy": "policies",
+    **dict.fromkeys(_POLICY_CLASS_NAMES, "policies"),
+    "vllm_policy_name": "policies",
     "RedisSecondaryTier": "redis_tier",
 }
 
 __all__ = [
-    "ARCCachePolicy",
-    "ASLRUCachePolicy",
-    "LRUCachePolicy",
     "RedisSecondaryTier",
     "TieringOffloadingManager",
     "TieringOffloadingWorker",
@@ -62,7 +61,10 @@ __all__ = [
     "build_offloading_config",
     "from_vllm_offloading_config",
     "is_kv_cache_tensor_packed",
+    "vllm_policy_name",
 ]
+__all__ += _POLICY_CLASS_NAMES
+__all__.sort()
 
 
 def __getattr__(name: str) -> Any:

@@ -4,14 +4,17 @@ An operator keeps vLLM's own ``CPUOffloadingSpec`` and manager and changes one
 setting::
 
     "kv_connector_extra_config": {"cpu_bytes_to_use": 8000000000,
-        "eviction_policy": "ASLRUCachePolicy",
+        "eviction_policy": "DSLRUCachePolicy",
         "cache_policy_module_path": "tiering.integrations.vllm"}
 
 vLLM's ``CachePolicyFactory`` imports the class from this package and builds it
-as ``cls(cache_capacity=num_chunks)``. `LRUCachePolicy`, `ARCCachePolicy` and
-`ASLRUCachePolicy` wrap `tiering.policies.LRUPolicy`, `ARCPolicy` and
-`ASLRUPolicy` (the defaults of `create_policy`); every ordering decision is
-the tiering policy's.
+as ``cls(cache_capacity=num_chunks)``. Each policy of `tiering.policies.POLICY_NAMES`
+has its class, named `vllm_policy_name` of it (``"dslru"`` -> ``DSLRUCachePolicy``;
+all of them in `CACHE_POLICIES`): a `TieringCachePolicy` over the policy
+`create_policy` makes (`LRUPolicy`, `ARCPolicy`, `ASLRUPolicy`, `DSLRUPolicy`
+with their defaults); every ordering decision is the tiering policy's. The
+classes are made from `POLICY_NAMES`, so a policy added there has its vLLM
+class with no code here (a line in ``_SUMMARIES`` gives it its docstring).
 
 Design note. vLLM's policy contract and tiering's differ in three ways, and
 `TieringCachePolicy` bridges each:
@@ -59,10 +62,12 @@ from typing import ClassVar
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus
 
+from tiering.errors import ConfigError
+from tiering.policies import POLICY_NAMES, PolicyStatistics, create_policy
 from tiering.policies import CachePolicy as OrderPolicy
-from tiering.policies import PolicyStatistics, create_policy
 
-__all__ = ["ARCCachePolicy", "ASLRUCachePolicy", "LRUCachePolicy", "TieringCachePolicy"]
+#: With one ``<NAME>CachePolicy`` per tiering policy, added below (`CACHE_POLICIES`).
+__all__ = ["CACHE_POLICIES", "TieringCachePolicy", "vllm_policy_name"]
 
 
 def prefix_order(keys: Iterable[OffloadKey], context: ReqContext | None) -> list[OffloadKey]:
@@ -250,19 +255,54 @@ class TieringCachePolicy(CachePolicy):
         )
 
 
-class LRUCachePolicy(TieringCachePolicy):
-    """tiering's `LRUPolicy`: least recently used first, a request's tail before its head."""
-
-    policy_name = "lru"
-
-
-class ARCCachePolicy(TieringCachePolicy):
-    """tiering's `ARCPolicy`: adaptive replacement, ghost hits adapt before the eviction."""
-
-    policy_name = "arc"
+#: One line per tiering policy: the docstring of its vLLM class. A policy of
+#: `POLICY_NAMES` missing here still gets its class, with a generic docstring.
+_SUMMARIES: dict[str, str] = {
+    "lru": "tiering's `LRUPolicy`: least recently used first, a request's tail before its head.",
+    "arc": "tiering's `ARCPolicy`: adaptive replacement, ghost hits adapt before the eviction.",
+    "aslru": "tiering's `ASLRUPolicy`: probation and protected, ghost admission.",
+    "dslru": "tiering's `DSLRUPolicy`: segmented LRU run by the expert its shadows favour.",
+}
 
 
-class ASLRUCachePolicy(TieringCachePolicy):
-    """tiering's `ASLRUPolicy` (its default): probation and protected, ghost admission."""
+def vllm_policy_name(policy: str) -> str:
+    """The name of the vLLM class of tiering policy ``policy`` (``eviction_policy``'s value).
 
-    policy_name = "aslru"
+    ``"dslru"`` -> ``"DSLRUCachePolicy"``; every name of `POLICY_NAMES` has its
+    class here and in ``tiering.integrations.vllm``. Any other name is a `ConfigError`.
+    """
+    if policy not in POLICY_NAMES:
+        raise ConfigError(
+            f"unknown cache policy {policy!r}; choose one of {', '.join(POLICY_NAMES)}"
+        )
+    return f"{policy.upper()}CachePolicy"
+
+
+def _policy_class(policy: str) -> type[TieringCachePolicy]:
+    class Policy(TieringCachePolicy):
+        policy_name = policy
+
+    Policy.__name__ = Policy.__qualname__ = vllm_policy_name(policy)
+    Policy.__doc__ = _SUMMARIES.get(policy, f"tiering's {policy!r} policy (`create_policy`).")
+    return Policy
+
+
+#: The vLLM class of each tiering policy, by class name, in `POLICY_NAMES`' order.
+CACHE_POLICIES: dict[str, type[TieringCachePolicy]] = {
+    vllm_policy_name(policy): _policy_class(policy) for policy in POLICY_NAMES
+}
+
+__all__ += CACHE_POLICIES
+
+
+def __getattr__(name: str) -> type[TieringCachePolicy]:
+    # The classes are made from POLICY_NAMES, not defined by name: `from ... import`
+    # and vLLM's factory find them here, and a type checker by this return type.
+    cls = CACHE_POLICIES.get(name)
+    if cls is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return cls
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *CACHE_POLICIES})
