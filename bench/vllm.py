@@ -6,7 +6,7 @@ the model, on CPU), once per configuration, all at the same CPU-tier capacity:
 
 - ``native lru``: vLLM's own ``CPUOffloadingSpec`` with its LRU policy (the baseline);
 - ``tiering lru``: ``TieringSpec`` with ``eviction_policy: lru``;
-- ``tiering default``: ``TieringSpec`` with its default policy (``aslru``).
+- ``tiering default``: ``TieringSpec`` with its default policy (``tiering.config.DEFAULT_POLICY``).
 
 Each hash id of the trace (a 512-token block) is one 16-token vLLM block and one
 chunk, so a tier of ``--capacity-tokens`` trace tokens holds capacity / 512
