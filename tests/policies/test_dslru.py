@@ -186,3 +186,27 @@ def test_results_are_deterministic() -> None:
     one = simulate_keys(requests, capacity_tokens=1024 * 512, policy="dslru")
     two = simulate_keys(requests, capacity_tokens=1024 * 512, policy="dslru")
     assert one.hit_blocks == two.hit_blocks
+
+
+def test_ghosts_remember_a_key_for_their_span_and_hold_at_most_twice_their_limit() -> None:
+    from tiering.policies.dslru import _Ghosts
+
+    ghosts = _Ghosts(span=100, limit=150)
+    count = ghosts.add([k(0)], 0, probation=True)
+    for i in range(1, 100):  # 99 more probation evictions: k(0) is still remembered
+        count = ghosts.add([k(i)], count, probation=True)
+        assert ghosts.get(k(0)) == 1
+        assert len(ghosts) <= 300
+    for i in range(100, 400):
+        count = ghosts.add([k(i)], count, probation=True)
+        assert len(ghosts) <= 300
+    assert ghosts.get(k(0)) == 0  # forgotten, a generation at a time
+    assert ghosts.pop(k(399)) == 400 and ghosts.get(k(399)) == 0
+    # Protected evictions are negated, and crowd a generation to its limit at most.
+    protected = 0
+    for i in range(1000, 1400):
+        protected = ghosts.add([k(i)], protected, probation=False)
+        assert len(ghosts) <= 300
+    assert ghosts.get(k(1399)) == -400
+    ghosts.clear()
+    assert len(ghosts) == 0 and ghosts.isdisjoint([k(1399)])
