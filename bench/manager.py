@@ -5,7 +5,7 @@ rest, commit recency) runs over the conversation trace at 3,000,000 tokens of
 capacity; a bare OrderedDict LRU loop does the same hits and evictions over the
 same keys in the same run. These machines are noisy, and a run is slower after
 one that left a larger heap behind, so each policy runs right after the bare
-loop and the manager with LRU, ``--repeat`` rounds (7) of every policy in turn;
+loop and the manager with LRU, ``--repeat`` rounds (11) of every policy in turn;
 a ratio is taken against the two runs just before it, and its median over the
 rounds counts (the range is printed beside it). Per policy
 it prints two ratios: manager keys/s over the bare loop's, and over the
@@ -118,7 +118,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     parser.add_argument("--capacity-tokens", type=int, default=3_000_000)
-    parser.add_argument("--repeat", type=int, default=7, help="rounds (default 7)")
+    parser.add_argument("--repeat", type=int, default=11, help="rounds (default 11)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 

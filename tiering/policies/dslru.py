@@ -82,6 +82,7 @@ import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from itertools import filterfalse, islice
+from typing import TypeVar
 from zlib import crc32
 
 from tiering._types import OffloadKey
@@ -89,6 +90,8 @@ from tiering.errors import ConfigError
 from tiering.policies.base import CachePolicy, PolicyStatistics, estimate_entry_bytes
 
 __all__ = ["DSLRUPolicy"]
+
+_V = TypeVar("_V")
 
 _SINK: deque[object] = deque(maxlen=0)
 _drain: Callable[[Iterable[object]], None] = _SINK.extend  # consume an iterator in C
@@ -151,6 +154,50 @@ class _Ghosts:
         self.added = 0
 
 
+def _marginal(
+    keys: Sequence[OffloadKey], ghosts: _Ghosts, evicted1: int, evicted2: int, window: int
+) -> int:
+    """Marginal hits of a store's leading run (see `ASLRUPolicy`): how many of its first
+    keys a probation segment larger by ``window`` would have kept, less how many a larger
+    protected one would have; past the first key neither would, the request misses."""
+    grow = shrink = 0
+    run1 = run2 = True
+    for key in keys:
+        left = ghosts.get(key)
+        if left > 0 and evicted1 - left <= window:
+            grow += run1
+            run2 = False
+        elif left < 0 and evicted2 + left <= window:
+            shrink += run2
+            run1 = False
+        else:
+            break
+        if not (run1 or run2):
+            break
+    return grow - shrink
+
+
+def _plan(
+    n: int,
+    protected: Container[OffloadKey],
+    probation: OrderedDict[OffloadKey, _V],
+    kept: OrderedDict[OffloadKey, _V],
+    target: float,
+) -> tuple[list[OffloadKey], list[OffloadKey]] | None:
+    """The segmented rule's ``n`` victims, none of ``protected``: probation's coldest while
+    it is over ``target``, then protected's, then probation's again; None if too few."""
+    want = min(n, max(0, math.ceil(len(probation) - target)))
+    spare = filterfalse(protected.__contains__, probation)
+    from_probation = list(islice(spare, want))
+    from_kept = list(islice(filterfalse(protected.__contains__, kept), n - len(from_probation)))
+    short = n - len(from_probation) - len(from_kept)
+    if short:
+        from_probation.extend(islice(spare, short))
+        if len(from_probation) + len(from_kept) < n:
+            return None
+    return from_probation, from_kept
+
+
 class _Segments(CachePolicy):
     """Probation and protected segments, their ghosts and ASLRU's learnt target.
 
@@ -186,25 +233,8 @@ class _Segments(CachePolicy):
         if ghosts.isdisjoint(keys):
             probation.update(dict.fromkeys(reversed(keys), stored))  # the common case, in C
             return
-        window, evicted1, evicted2 = (
-            self._window,
-            self._probation_evictions,
-            self._protected_evictions,
-        )
-        grow = shrink = 0
-        run1 = run2 = True
-        for key in keys:  # marginal hits of the leading run (see ASLRUPolicy)
-            left = ghosts.get(key)
-            if left > 0 and evicted1 - left <= window:
-                grow += run1
-                run2 = False
-            elif left < 0 and evicted2 + left <= window:
-                shrink += run2
-                run1 = False
-            else:
-                break
-            if not (run1 or run2):
-                break
+        evicted1, evicted2 = self._probation_evictions, self._protected_evictions
+        moved = _marginal(keys, ghosts, evicted1, evicted2, self._window)
         # Admission: the remembered keys recent enough go to protected, in one step,
         # and the others to probation in another.
         remembered = ghosts.new.keys() & keys | ghosts.old.keys() & keys
@@ -222,7 +252,7 @@ class _Segments(CachePolicy):
             order = [k for k in order if k not in admit]  # type: ignore[assignment]
         probation.update(dict.fromkeys(order, stored))
         self._admitted += len(admit)
-        target = self._target + self._step * (grow - shrink)
+        target = self._target + self._step * moved
         self._target = min(float(self._capacity), max(0.0, target))
 
     def _commit(self, keys: Sequence[OffloadKey], mask: int) -> list[OffloadKey]:
@@ -260,17 +290,10 @@ class _Segments(CachePolicy):
                 return None
             from_probation, from_kept = planned
         else:
-            want = min(n, max(0, math.ceil(len(probation) - self._target)))
-            from_probation_iter = filterfalse(protected.__contains__, probation)
-            from_probation = list(islice(from_probation_iter, want))
-            from_kept = list(
-                islice(filterfalse(protected.__contains__, kept), n - len(from_probation))
-            )
-            short = n - len(from_probation) - len(from_kept)
-            if short:
-                from_probation.extend(islice(from_probation_iter, short))
-                if len(from_probation) + len(from_kept) < n:
-                    return None
+            planned = _plan(n, protected, probation, kept, self._target)
+            if planned is None:
+                return None
+            from_probation, from_kept = planned
         ghosts = self._ghosts
         if from_probation:
             _drain(map(probation.__delitem__, from_probation))
@@ -432,38 +455,20 @@ class _SegmentedShadow:
         ghosts = self.memory
         admitted: list[OffloadKey] = []
         if not ghosts.isdisjoint(new):
-            grow = shrink = 0
-            run1 = run2 = True
-            for key in new:  # marginal hits of the leading run, as `_Segments.insert`
-                left = ghosts.get(key)
-                if left > 0 and self.evicted1 - left <= self.window:
-                    grow += run1
-                    run2 = False
-                elif left < 0 and self.evicted2 + left <= self.window:
-                    shrink += run2
-                    run1 = False
-                else:
-                    break
-                if not (run1 or run2):
-                    break
+            moved = _marginal(new, ghosts, self.evicted1, self.evicted2, self.window)
             oldest1, oldest2 = self.evicted1 - self.admit, self.evicted2 - self.capacity
             for key in new:
                 left = ghosts.pop(key)
                 if left and (left >= oldest1 if left > 0 else -left >= oldest2):
                     admitted.append(key)
-            target = self.target + self.step * (grow - shrink)
+            target = self.target + self.step * moved
             self.target = min(float(self.capacity), max(0.0, target))
         need = len(probation) + len(protected) + len(new) - self.capacity
         if need > 0:
-            want = min(need, max(0, math.ceil(len(probation) - self.target)))
-            spare1 = filterfalse(keys.__contains__, probation)
-            victims1 = list(islice(spare1, want))
-            victims2 = list(islice(filterfalse(keys.__contains__, protected), need - len(victims1)))
-            short = need - len(victims1) - len(victims2)
-            if short:
-                victims1.extend(islice(spare1, short))
-                if len(victims1) + len(victims2) < need:
-                    return False
+            planned = _plan(need, keys, probation, protected, self.target)
+            if planned is None:
+                return False
+            victims1, victims2 = planned
             if victims1:
                 _drain(map(probation.__delitem__, victims1))
                 self.evicted1 = ghosts.add(victims1, self.evicted1, probation=True)
