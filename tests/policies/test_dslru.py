@@ -136,14 +136,42 @@ def test_a_stored_key_stays_on_probation_however_many_requests_end_before_its_ow
         assert policy.statistics().detail["protected"] == 2
 
 
-def test_an_untouched_stored_key_counts_as_used_when_it_was_stored() -> None:
+def test_a_stored_key_awaiting_its_touch_counts_as_newer_than_every_use() -> None:
     policy = DSLRUPolicy(4096)
     policy.insert([k(1)])
     policy.touch([k(1)])
-    policy.touch([k(1)])  # protected, used at clock 2
-    policy.insert([k(2)])  # stored at clock 2, its request still running
-    policy.touch([k(3)])  # untracked: ignored, but the clock moves on
-    assert policy.evict(1, NONE) == [k(2)]  # stored at 2 ties with 1's use at 2: probation first
+    policy.touch([k(1)])  # protected, used last of all
+    policy.insert([k(2)])  # stored; its request still runs
+    policy.touch([k(3)])  # untracked: ignored
+    assert policy.evict(1, NONE) == [k(1)]  # as LRU: the store is the newest
+
+
+class _LRUOnly(DSLRUPolicy):
+    def _score(self) -> None:  # the shadows never get a say
+        self._sampled = 0
+
+
+def test_the_lru_expert_is_lru_victim_for_victim() -> None:
+    """Keys present past a request's first miss, repeats, shared heads: the same victims."""
+    rng = random.Random(11)
+    ours, theirs = _LRUOnly(200), create_policy("lru", 200)
+    managers = [CPUOffloadingManager(200, ours), CPUOffloadingManager(200, theirs)]
+    for _ in range(4000):
+        request = list(dict.fromkeys(k(rng.randrange(600)) for _ in range(rng.randrange(1, 20))))
+        seen = []
+        for manager in managers:
+            n = manager.lookup_prefix(request)
+            if n:
+                manager.prepare_load(request[:n])
+            output = manager.prepare_store(request[n:]) if n < len(request) else None
+            if output is not None and output.keys_to_store:
+                manager.complete_store(output.keys_to_store)
+            if n:
+                manager.complete_load(request[:n])
+            manager.touch(request)
+            seen.append((n, frozenset(output.evicted_keys) if output else frozenset()))
+        assert seen[0] == seen[1]
+    assert ours.expert == "lru"
 
 
 def test_metadata_stays_bounded_and_clear_forgets_it() -> None:
@@ -155,8 +183,8 @@ def test_metadata_stays_bounded_and_clear_forgets_it() -> None:
     assert stats.tracked == capacity
     assert 0 < stats.history <= stats.history_limit
     # Ghosts: two generations of at most (4 + 2) capacities in the tier; in each shadow (a
-    # 32nd of it) its keys, and two generations of (2 + 2) and (4 + 2) of its capacities.
-    assert stats.history_limit == capacity * 12 + capacity // 32 * (3 + 8 + 12)
+    # 32nd of it) its keys, and in each segmented one two generations of (4 + 2) of its own.
+    assert stats.history_limit == capacity * 12 + capacity // 32 * (1 + 2 * 13)
     assert stats.detail["shadow_keys"] > 0
     policy.clear()
     cleared = policy.statistics()
@@ -201,7 +229,8 @@ def test_ghosts_remember_a_key_for_their_span_and_hold_at_most_twice_their_limit
         count = ghosts.add([k(i)], count, probation=True)
         assert len(ghosts) <= 300
     assert ghosts.get(k(0)) == 0  # forgotten, a generation at a time
-    assert ghosts.pop(k(399)) == 400 and ghosts.get(k(399)) == 0
+    assert ghosts.pop(k(399)) == 400
+    assert ghosts.get(k(399)) == 0
     # Protected evictions are negated, and crowd a generation to its limit at most.
     protected = 0
     for i in range(1000, 1400):
@@ -209,4 +238,47 @@ def test_ghosts_remember_a_key_for_their_span_and_hold_at_most_twice_their_limit
         assert len(ghosts) <= 300
     assert ghosts.get(k(1399)) == -400
     ghosts.clear()
-    assert len(ghosts) == 0 and ghosts.isdisjoint([k(1399)])
+    assert len(ghosts) == 0
+    assert ghosts.isdisjoint([k(1399)])
+
+
+def test_the_lru_expert_is_lru_when_requests_end_out_of_order() -> None:
+    """A stored key's first touch moves it: the LRU expert stays LRU at concurrency > 1."""
+    ours, theirs = _LRUOnly(4096), create_policy("lru", 4096)
+    for policy in (ours, theirs):
+        policy.insert([k(1)])  # request A stores a
+        policy.insert([k(2)])  # request B stores b...
+        policy.touch([k(2)])  # ...and ends
+        policy.insert([k(3)])
+        policy.touch([k(3)])
+        policy.touch([k(3)])  # q, used twice
+        policy.touch([k(1)])  # A ends: a is the most recent
+    assert ours.evict(2, NONE) == theirs.evict(2, NONE) == [k(2), k(3)]
+
+
+def test_history_never_exceeds_its_limit_even_for_one_large_eviction() -> None:
+    policy = DSLRUPolicy(1)
+    keys = [k(i) for i in range(100)]
+    policy.insert(keys)
+    policy.touch(keys)
+    assert policy.evict(100, NONE) is not None
+    stats = policy.statistics()
+    assert stats.history <= stats.history_limit
+
+
+def test_a_shadow_refusing_a_store_changes_nothing() -> None:
+    from tiering.policies.dslru import _SegmentedShadow
+
+    shadow = _SegmentedShadow(2, admit=8, span=8, window=1, step=1.0)
+    shadow.access([k(1)], True)
+    shadow.access([k(2)], True)
+    shadow.access([k(3)], True)  # evicts one of them into the ghosts
+    (gone,) = {k(1), k(2)} - set(shadow.probation) - set(shadow.protected)
+    (kept,) = {k(1), k(2)} - {gone}
+    assert shadow.memory.get(gone) > 0
+    before = (dict(shadow.probation), dict(shadow.protected), shadow.target, len(shadow.memory))
+    shadow.access([kept, k(3), gone], True)  # both held keys in the request: no room
+    after = (dict(shadow.probation), dict(shadow.protected), shadow.target, len(shadow.memory))
+    assert after[2:] == before[2:]
+    assert shadow.memory.get(gone) > 0  # still remembered
+    assert set(after[0]) | set(after[1]) == {kept, k(3)}

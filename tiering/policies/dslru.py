@@ -42,7 +42,7 @@ ready; the experts differ in eviction and in how far back a ghost admits.
 What it reaches, and why no further. On the conversation trace (hit blocks
 over all blocks; x LRU; share of the gap from LRU to the offline optimum):
 500,000 tokens 7.95% (1.79x, 27%), 1,000,000 10.87% (2.04x, 29%), 3,000,000
-18.28% (1.34x, 22%), 10,000,000 29.87% (1.05x, 17%), 20,000,000 35.13%
+18.23% (1.34x, 21%), 10,000,000 29.87% (1.05x, 17%), 20,000,000 35.13%
 (1.00x: LRU's own, the shadows never let a split take over). ``chat`` and
 ``documents`` at bench/policy.py's capacities: 1.02x-1.32x, never below LRU
 (`bench/policy.py`). What it does not do is predict a chunk's *first* reuse,
@@ -133,17 +133,22 @@ class _Ghosts:
 
     def add(self, keys: list[OffloadKey], count: int, *, probation: bool) -> int:
         """Remember ``keys``, evicted from their segment after ``count`` others; the
-        segment's count after them."""
+        segment's count after them. A generation never holds more than ``limit`` keys
+        (of a larger call, the last ``limit`` evicted are remembered)."""
         total = count + len(keys)
+        if len(keys) > self.limit:
+            keys = keys[-self.limit :]
+            count = total - len(keys)
         new = self.new
+        if len(new) + len(keys) > self.limit or (probation and self.added >= self.span):
+            self.old, self.new = new, {}
+            new = self.new
+            self.added = 0
         if probation:
             new.update(zip(keys, range(count + 1, total + 1), strict=True))
             self.added += len(keys)
         else:
             new.update(zip(keys, range(-count - 1, -total - 1, -1), strict=True))
-        if self.added >= self.span or len(new) >= self.limit:
-            self.old, self.new = new, {}
-            self.added = 0
         return total
 
     def __len__(self) -> int:
@@ -201,11 +206,12 @@ def _plan(
 class _Segments(CachePolicy):
     """Probation and protected segments, their ghosts and ASLRU's learnt target.
 
-    Values are request clocks: a key's last use, or ``-1 - clock`` while the
-    key awaits the first touch of the request that stored it (``clock`` the
-    time of the store). ``lru`` evicts by the clock across both segments;
-    otherwise as `ASLRUPolicy`. ``history`` and ``window`` are in chunks,
-    ``step`` in chunks (a float: a shadow moves by fractions of one).
+    Values are use numbers: a touch gives each of its keys the next one, tail
+    first, so that their order across both segments is LRU's; a stored key
+    awaiting the first touch of its request holds ``-2 - clock`` (``clock`` the
+    last number given at its store: it counts as the next one). ``lru`` evicts
+    by these numbers across both segments; otherwise as `ASLRUPolicy`.
+    ``history``, ``window`` and ``step`` are in chunks.
     """
 
     name = "dslru"
@@ -229,7 +235,7 @@ class _Segments(CachePolicy):
     def insert(self, keys: Sequence[OffloadKey]) -> None:
         probation = self._probation
         ghosts = self._ghosts
-        stored = -1 - self._clock
+        stored = -2 - self._clock  # counts as the next number: newer than any
         if ghosts.isdisjoint(keys):
             probation.update(dict.fromkeys(reversed(keys), stored))  # the common case, in C
             return
@@ -258,24 +264,27 @@ class _Segments(CachePolicy):
     def _commit(self, keys: Sequence[OffloadKey], mask: int) -> list[OffloadKey]:
         """`touch` of non-empty ``keys``; returns those of them the CRC-32 ``mask``
         samples (``crc32(key) & mask == 0``), head first, found on the same walk."""
-        self._clock = now = self._clock + 1
+        start = now = self._clock
         probation, protected = self._probation, self._protected
         get = probation.get
         sampled = []
-        for key in reversed(keys):
+        for key in reversed(keys):  # each key its own number, tail first: LRU's order
             if not crc32(key) & mask:
                 sampled.append(key)
+            now += 1
             last = get(key)
             if last is not None:
                 if last < 0:  # the storing request's own touch
                     probation[key] = now
+                    probation.move_to_end(key)  # others may have ended since its store
                 else:  # a second request: reuse proven
                     del probation[key]
                     protected[key] = now
             elif key in protected:
                 protected[key] = now
                 protected.move_to_end(key)
-        if not self._lru and get(keys[-1]) == now:
+        self._clock = now
+        if not self._lru and get(keys[-1]) == start + 1:
             probation.move_to_end(keys[-1], last=False)  # a new last block: first to go
         sampled.reverse()
         return sampled
@@ -357,7 +366,7 @@ class _Segments(CachePolicy):
 
 
 def _used(value: int) -> int:
-    """The request clock a segment value stands for (a stored key's: its store)."""
+    """The use a segment value stands for (a stored key's: the number after its store's)."""
     return value if value >= 0 else -1 - value
 
 
@@ -415,14 +424,14 @@ class _SegmentedShadow:
         "probation", "protected", "step", "target", "window",
     )  # fmt: skip
 
-    def __init__(self, capacity: int, admit: int, window: int, step: float) -> None:
+    def __init__(self, capacity: int, admit: int, span: int, window: int, step: float) -> None:
         self.capacity = capacity
         self.admit = admit
         self.window = window
         self.step = step
         self.probation: OrderedDict[OffloadKey, None] = OrderedDict()
         self.protected: OrderedDict[OffloadKey, None] = OrderedDict()
-        self.memory = _Ghosts(admit, admit + 2 * capacity)
+        self.memory = _Ghosts(span, span + 2 * capacity)
         self.target = 0.0
         self.evicted1 = self.evicted2 = self.hits = 0
 
@@ -435,11 +444,13 @@ class _SegmentedShadow:
                 break
             run += 1
         self.hits += run
-        new = [key for key in keys[run:] if key not in probation and key not in protected]
+        new = [key for key in dict.fromkeys(keys[run:]) if key not in probation]
+        new = [key for key in new if key not in protected]
         if new and not self._store(new, keys):
             new = []
+        fresh = set(new)
         for key in reversed(keys):  # the touch
-            if key in new:
+            if key in fresh:
                 continue
             if key in probation:
                 del probation[key]
@@ -450,24 +461,28 @@ class _SegmentedShadow:
             probation.move_to_end(keys[-1], last=False)
 
     def _store(self, new: list[OffloadKey], keys: list[OffloadKey]) -> bool:
-        """Insert ``new`` and evict for it (never one of ``keys``); False if no room."""
+        """Insert ``new`` and evict for it (never one of ``keys``); False, and nothing
+        changed, if there is no room (as the manager refuses a store before its insert)."""
         probation, protected = self.probation, self.protected
+        need = len(probation) + len(protected) + len(new) - self.capacity
+        if need > 0:
+            held = sum(1 for key in set(keys) if key in probation or key in protected)
+            if len(probation) + len(protected) - held < need:
+                return False
         ghosts = self.memory
-        admitted: list[OffloadKey] = []
+        admitted: set[OffloadKey] = set()
         if not ghosts.isdisjoint(new):
             moved = _marginal(new, ghosts, self.evicted1, self.evicted2, self.window)
             oldest1, oldest2 = self.evicted1 - self.admit, self.evicted2 - self.capacity
             for key in new:
                 left = ghosts.pop(key)
                 if left and (left >= oldest1 if left > 0 else -left >= oldest2):
-                    admitted.append(key)
+                    admitted.add(key)
             target = self.target + self.step * moved
             self.target = min(float(self.capacity), max(0.0, target))
-        need = len(probation) + len(protected) + len(new) - self.capacity
         if need > 0:
             planned = _plan(need, keys, probation, protected, self.target)
-            if planned is None:
-                return False
+            assert planned is not None  # the room was counted above
             victims1, victims2 = planned
             if victims1:
                 _drain(map(probation.__delitem__, victims1))
@@ -560,10 +575,11 @@ class DSLRUPolicy(_Segments):
         self._shadows: list[_LRUShadow | _SegmentedShadow] = [_LRUShadow(size)]
         self._shadows += (
             _SegmentedShadow(
-                size, int(h * size), max(1, int(window * size)), step * size * (1 << shift)
+                size, int(h * size), int(max(histories) * size), max(1, int(window * size)),
+                self._step,
             )
             for h in histories
-        )
+        )  # fmt: skip
         self._scores = [0.0] * len(self._shadows)
         self._decay = decay
         self._margin = margin
@@ -592,7 +608,7 @@ class DSLRUPolicy(_Segments):
                 self._score()
 
     def _score(self) -> None:
-        """Close a period: decay and add each shadow's hits; switch on a clear lead."""
+        """Close a period: decay and add each shadow's hits; follow a clear lead."""
         self._sampled = 0
         decay, scores = self._decay, self._scores
         for i, shadow in enumerate(self._shadows):
