@@ -121,6 +121,8 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=11, help="rounds (default 11)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.repeat < 1:
+        parser.error(f"--repeat must be at least 1 round, got {args.repeat}")
 
     requests: list[Request]
     if args.trace.exists():
