@@ -282,3 +282,36 @@ def test_a_shadow_refusing_a_store_changes_nothing() -> None:
     assert after[2:] == before[2:]
     assert shadow.memory.get(gone) > 0  # still remembered
     assert set(after[0]) | set(after[1]) == {kept, k(3)}
+
+
+def short_think_conversations(requests: int, seed: int) -> list[list[OffloadKey]]:
+    """Fifty conversations at a time, each turn its prompt so far plus a few new blocks:
+    LRU and the splits take turns ahead, and none leads for long."""
+    rng = random.Random(seed)
+    out: list[list[OffloadKey]] = []
+    live: list[list[OffloadKey]] = []
+    fresh = 10**9
+    for _ in range(requests):
+        if live and rng.random() < 0.7:
+            conversation = live[rng.randrange(len(live))]
+        else:
+            conversation = [k(0)]
+            live.append(conversation)
+        new = [k(fresh + j) for j in range(rng.randrange(1, 6))]
+        fresh += len(new)
+        conversation.extend(new)
+        out.append(list(conversation))
+        if rng.random() > 0.9:
+            live.remove(conversation)
+        if len(live) > 50:
+            live.pop(0)
+    return out
+
+
+def test_leaving_lru_takes_the_long_run_too_where_experts_take_turns() -> None:
+    requests = short_think_conversations(6000, 3)
+    lru = replay(_LRUOnly(100), 100, requests)
+    assert replay(DSLRUPolicy(100), 100, requests) >= lru
+    # Judged on the short run alone (the long run decayed as fast), it follows each
+    # lead and loses to LRU.
+    assert replay(DSLRUPolicy(100, long_decay=0.97), 100, requests) < lru
