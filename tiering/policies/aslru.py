@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
-from collections.abc import Callable, Container, Iterable, Sequence
+from collections.abc import Callable, Collection, Container, Iterable, Sequence
 from itertools import filterfalse, islice
 
 from tiering._types import OffloadKey
@@ -66,6 +66,28 @@ __all__ = ["ASLRUPolicy"]
 
 _SINK: deque[object] = deque(maxlen=0)
 _drain: Callable[[Iterable[object]], None] = _SINK.extend  # consume an iterator in C
+
+
+def plan_victims(
+    n: int,
+    protected: Container[OffloadKey],
+    probation: Collection[OffloadKey],
+    kept: Collection[OffloadKey],
+    target: float,
+) -> tuple[list[OffloadKey], list[OffloadKey]] | None:
+    """The segmented rule's ``n`` victims, none of ``protected``: probation's coldest while
+    it is over ``target``, then protected's, then probation's again; None if too few
+    (nothing is changed: the caller removes them). `DSLRUPolicy` plans with it too."""
+    want = min(n, max(0, math.ceil(len(probation) - target)))
+    spare = filterfalse(protected.__contains__, probation)
+    from_probation = list(islice(spare, want))
+    from_kept = list(islice(filterfalse(protected.__contains__, kept), n - len(from_probation)))
+    short = n - len(from_probation) - len(from_kept)
+    if short:
+        from_probation.extend(islice(spare, short))
+        if len(from_probation) + len(from_kept) < n:
+            return None
+    return from_probation, from_kept
 
 
 class ASLRUPolicy(CachePolicy):
@@ -196,15 +218,10 @@ class ASLRUPolicy(CachePolicy):
         if n <= 0:
             return []
         probation, kept = self._probation, self._protected
-        want = min(n, max(0, math.ceil(len(probation) - self._target)))
-        from_probation_iter = filterfalse(protected.__contains__, probation)
-        from_probation = list(islice(from_probation_iter, want))
-        from_kept = list(islice(filterfalse(protected.__contains__, kept), n - len(from_probation)))
-        short = n - len(from_probation) - len(from_kept)
-        if short:
-            from_probation.extend(islice(from_probation_iter, short))
-            if len(from_probation) + len(from_kept) < n:
-                return None
+        planned = plan_victims(n, protected, probation, kept, self._target)
+        if planned is None:
+            return None
+        from_probation, from_kept = planned
         _drain(map(probation.__delitem__, from_probation))
         _drain(map(kept.__delitem__, from_kept))
         if from_probation:

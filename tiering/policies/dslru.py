@@ -83,22 +83,17 @@ the shadows and the sampling cost about a tenth of a run.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict, deque
-from collections.abc import Callable, Container, Iterable, Iterator, Sequence
+from collections import OrderedDict
+from collections.abc import Container, Iterator, Sequence
 from itertools import filterfalse, islice
-from typing import TypeVar
 from zlib import crc32
 
 from tiering._types import OffloadKey
 from tiering.errors import ConfigError
+from tiering.policies.aslru import _drain, plan_victims
 from tiering.policies.base import CachePolicy, PolicyStatistics, estimate_entry_bytes
 
 __all__ = ["DSLRUPolicy"]
-
-_V = TypeVar("_V")
-
-_SINK: deque[object] = deque(maxlen=0)
-_drain: Callable[[Iterable[object]], None] = _SINK.extend  # consume an iterator in C
 
 _TARGET_SHADOW = 64  # chunks a shadow aims for
 _MAX_SHIFT = 6  # sample at least one key in 64
@@ -184,27 +179,6 @@ def _marginal(
         if not (run1 or run2):
             break
     return grow - shrink
-
-
-def _plan(
-    n: int,
-    protected: Container[OffloadKey],
-    probation: OrderedDict[OffloadKey, _V],
-    kept: OrderedDict[OffloadKey, _V],
-    target: float,
-) -> tuple[list[OffloadKey], list[OffloadKey]] | None:
-    """The segmented rule's ``n`` victims, none of ``protected``: probation's coldest while
-    it is over ``target``, then protected's, then probation's again; None if too few."""
-    want = min(n, max(0, math.ceil(len(probation) - target)))
-    spare = filterfalse(protected.__contains__, probation)
-    from_probation = list(islice(spare, want))
-    from_kept = list(islice(filterfalse(protected.__contains__, kept), n - len(from_probation)))
-    short = n - len(from_probation) - len(from_kept)
-    if short:
-        from_probation.extend(islice(spare, short))
-        if len(from_probation) + len(from_kept) < n:
-            return None
-    return from_probation, from_kept
 
 
 class _Segments(CachePolicy):
@@ -303,7 +277,7 @@ class _Segments(CachePolicy):
                 return None
             from_probation, from_kept = planned
         else:
-            planned = _plan(n, protected, probation, kept, self._target)
+            planned = plan_victims(n, protected, probation, kept, self._target)
             if planned is None:
                 return None
             from_probation, from_kept = planned
@@ -485,7 +459,7 @@ class _SegmentedShadow:
             target = self.target + self.step * moved
             self.target = min(float(self.capacity), max(0.0, target))
         if need > 0:
-            planned = _plan(need, keys, probation, protected, self.target)
+            planned = plan_victims(need, keys, probation, protected, self.target)
             assert planned is not None  # the room was counted above
             victims1, victims2 = planned
             if victims1:
