@@ -26,6 +26,17 @@ round (the best round counts: these machines are noisy):
   ``O_DIRECT`` writes with buffered reads at 2 MiB), ``False`` and ``True``
   (``O_DIRECT`` both ways), ``fsync="none"`` (the default). The tier's folder
   keeps its shard folders from round to round, as a tier in use does.
+- ``tier keyed``: the default tier with an `AuthKey` as it writes by default
+  (each value carries a keyed tag instead of the XXH3 checksum: AES-GMAC where
+  the ``cryptography`` package is installed, else HMAC-SHA256). ``keyed``: the
+  default tier over it, the cost of the key, target >= 0.8 (``KEYED_TARGET``,
+  enforced at 256 KiB values, reported at 2 MiB);
+  where it is missed, the line prints the bound, the MAC's own speed on one
+  core (AES-GMAC's, HMAC-SHA256's and keyed BLAKE2b's beside it), and what
+  that leaves of the default tier's speed: a miss under the bound is the MAC's
+  and does not fail the run; one above it does. ``tier keyed hmac``: the same
+  with the key made to write HMAC-SHA256 (the speed without the ``auth``
+  extra; reported, not enforced).
 
 The cases take turns batch by batch (``--batch`` values of one case, then of
 the next, the order turning each batch), so that each meets the machine in
@@ -82,6 +93,8 @@ us a value warm, 96-159 dropped.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import hmac
 import json
 import mmap
 import os
@@ -103,10 +116,13 @@ import xxhash
 from tiering import make_offload_key
 from tiering._types import OffloadKey
 from tiering.secondary import RemoteNamespace
+from tiering.secondary.auth import AuthKey, MacKind
 from tiering.secondary.disk import DIRECT_WRITE_MIN, DiskTier
 
 SIZES = (256 << 10, 2 << 20)
 TARGET = 0.8
+KEYED_TARGET = 0.8  # the keyed default tier over the unkeyed one
+KEYED_TARGET_ROW = 256 << 10  # the values it is enforced at (2 MiB: reported)
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 DROP_CACHES = Path("/proc/sys/vm/drop_caches")
 
@@ -114,7 +130,13 @@ RAW, RAW_XXH3, RAW_DIRECT = "raw", "raw+xxh3", "raw O_DIRECT"
 RAW_SAFE = "raw crash-safe"  # the bound: what any writer meeting issue #19's rules must do
 TIER_DEFAULT, TIER, TIER_DIRECT = "tier default", "tier buffered", "tier O_DIRECT"
 TIERS = {TIER_DEFAULT: None, TIER: False, TIER_DIRECT: True}  # each tier case's direct_io
-CASES = (RAW, RAW_XXH3, RAW_SAFE, RAW_DIRECT, TIER_DEFAULT, TIER, TIER_DIRECT)
+TIER_KEYED = "tier keyed"  # the default tier with an AuthKey
+TIER_KEYED_HMAC = "tier keyed hmac"  # the same, its key writing HMAC-SHA256
+KEYED = {TIER_KEYED: "auto", TIER_KEYED_HMAC: "hmac"}  # each keyed case's AuthKey(mac=)
+CASES = (
+    *(RAW, RAW_XXH3, RAW_SAFE, RAW_DIRECT, TIER_DEFAULT, TIER, TIER_DIRECT),
+    *(TIER_KEYED, TIER_KEYED_HMAC),
+)
 WRITE, COLD, WARM, SYNCED = "write", "read cold", "read warm", "write fdatasync"
 CHECKED = (WRITE, COLD)  # the operations the target is checked on
 
@@ -333,7 +355,7 @@ class Case:
 
     @property
     def is_tier(self) -> bool:
-        return self.name in TIERS
+        return self.name in TIERS or self.name in KEYED
 
     @property
     def direct(self) -> bool:
@@ -344,14 +366,14 @@ class Case:
         """Whether this case's ``op`` (a write or a read) goes round the page cache."""
         if self.name in (RAW_DIRECT, TIER_DIRECT):
             return True
-        if self.name == TIER_DEFAULT:  # O_DIRECT writes of large rows, buffered reads
+        if self.name in (TIER_DEFAULT, *KEYED):  # O_DIRECT writes of large rows only
             return self.direct_ok and op in (WRITE, SYNCED) and self.row_bytes >= DIRECT_WRITE_MIN
         return False
 
     async def start(self, fsync: str = "none") -> None:
         """An empty folder (the tier's shard folders kept from earlier rounds, as in a
         tier in use) and a fresh tier, opened: untimed."""
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # the tier's own (no warning)
         for path in files_under(self.folder):
             if path.endswith((".bin", ".tmp", ".tkv")):
                 os.unlink(path)
@@ -362,8 +384,13 @@ class Case:
                 2 * self.n * value,
                 namespace(self.row_bytes),
                 fsync=fsync,
-                direct_io=TIERS[self.name],
+                direct_io=TIERS.get(self.name),
                 timeout_s=120.0,
+                auth_key=(
+                    AuthKey(os.urandom(32), mac=KEYED[self.name])  # type: ignore[arg-type]
+                    if self.name in KEYED
+                    else None
+                ),
             )
             await self.tier.open()
 
@@ -545,6 +572,11 @@ def summarize(result: dict[str, Any], direct_ok: bool) -> list[dict[str, Any]]:
             r / t for r, t in zip(raw_runs, times[(TIER_DEFAULT, op)], strict=True)
         )
         ratio = best[RAW] / best[TIER_DEFAULT]
+        keyed = best[TIER_DEFAULT] / best[TIER_KEYED]
+        kind = "aes-gmac" if AuthKey(bytes(32)).mac_kind is MacKind.AES_GMAC else "hmac-sha256"
+        mac = mac_speed(row_bytes, kind)
+        # One thread MACs each value as it moves: t_keyed >= t_default + t_mac.
+        keyed_bound = 1 / (1 + n * row_bytes / best[TIER_DEFAULT] / 1e9 / mac)
         out.append(
             {
                 "row_bytes": row_bytes,
@@ -565,9 +597,48 @@ def summarize(result: dict[str, Any], direct_ok: bool) -> list[dict[str, Any]]:
                 "checked": op in CHECKED,
                 "met": ratio >= TARGET,
                 "runs": len(raw_runs),
+                "keyed_ratio": keyed,
+                "keyed_median": statistics.median(
+                    d / k
+                    for d, k in zip(times[(TIER_DEFAULT, op)], times[(TIER_KEYED, op)], strict=True)
+                ),
+                "keyed_met": keyed >= KEYED_TARGET,
+                "keyed_bound": keyed_bound,
+                "keyed_hmac_ratio": best[TIER_DEFAULT] / best[TIER_KEYED_HMAC],
+                "mac": kind,
+                "mac_gb_per_s": mac,
+                "gmac_gb_per_s": mac_speed(row_bytes, "aes-gmac"),
+                "hmac_gb_per_s": mac_speed(row_bytes, "hmac-sha256"),
+                "blake2b_gb_per_s": mac_speed(row_bytes, "blake2b"),
             }
         )
     return out
+
+
+def mac_speed(row_bytes: int, kind: str, repeat: int = 20) -> float:
+    """GB/s of one core's MAC over a row (best of ``repeat``): the bound of keyed values.
+    AES-GMAC's is a whole value's: its subkey derived, then the payload's tag (0: the
+    ``cryptography`` package is not installed)."""
+    row, key = os.urandom(row_bytes), os.urandom(32)
+    if kind == "aes-gmac":
+        try:
+            from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+        except ImportError:
+            return 0.0
+        base = hmac.new(key, digestmod=hashlib.sha256)
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        if kind == "blake2b":
+            hashlib.blake2b(row, key=key, digest_size=32).digest()
+        elif kind == "aes-gmac":
+            derive = base.copy()
+            derive.update(bytes(96))
+            AESGCM(derive.digest()).encrypt(bytes(12), b"", row)
+        else:
+            hmac.new(key, row, hashlib.sha256).digest()
+        best = min(best, time.perf_counter() - start)
+    return row_bytes / best / 1e9
 
 
 async def scan_bench(root: Path, n: int, args: argparse.Namespace) -> dict[str, float]:
@@ -670,7 +741,7 @@ def print_table(rows: list[dict[str, Any]], info: dict[str, Any]) -> None:
     )
     print(f"direct_io=None, the default: {direct}")
     cases = [c for c in CASES if any(c in row["gb_per_s"] for row in rows)]
-    head = "".join(f"{c:>15}" for c in cases)
+    head = "".join(f"{c:>16}" for c in cases)
     print(
         f"\nGB/s, best of {rows[0]['runs']} rounds. Over raw: default (the target's: "
         f"direct_io=None, as a user gets it; >= {TARGET}), median (of each round's), "
@@ -684,13 +755,25 @@ def print_table(rows: list[dict[str, Any]], info: dict[str, Any]) -> None:
     for row in rows:
         size = f"{row['row_bytes'] >> 10} KiB"
         speeds = row["gb_per_s"]
-        cells = "".join(f"{speeds[c]:>15.2f}" for c in cases)
+        cells = "".join(f"{speeds[c]:>16.2f}" for c in cases)
         verdict = ("met" if row["met"] else "MISSED") if row["checked"] else "information"
         if row["checked"] and row["bound"] < TARGET:
             verdict += f" (the bound itself is under {TARGET})"
         print(
             f"{size:>8} {row['op']:>16}{cells}  {row['ratio']:7.2f} {row['median']:6.2f} "
             f"{row['best_ratio']:5.2f} {row['bound']:5.2f} {row['vs_bound']:8.2f}  {verdict}"
+        )
+    for row in rows:
+        if not row["checked"]:
+            continue
+        met = row["keyed_met"]
+        print(
+            f"keyed: {row['row_bytes'] >> 10} KiB {row['op']}: tier keyed/default "
+            f"{row['keyed_ratio']:.2f} ({row['mac']}; median {row['keyed_median']:.2f}; target "
+            f"{KEYED_TARGET}: {'met' if met else 'MISSED'}; bound {row['keyed_bound']:.2f}); "
+            f"with HMAC-SHA256: {row['keyed_hmac_ratio']:.2f}; one core: AES-GMAC "
+            f"{row['gmac_gb_per_s']:.2f} GB/s, HMAC-SHA256 {row['hmac_gb_per_s']:.2f}, keyed "
+            f"BLAKE2b {row['blake2b_gb_per_s']:.2f}"
         )
     print(
         "best tier mode: "
@@ -745,6 +828,14 @@ def main() -> int:
         f"{r['row_bytes'] >> 10} KiB {r['op']}: tier default/raw {r['ratio']:.2f} < {TARGET}"
         for r in rows
         if r["checked"] and not r["met"]
+    ] + [
+        f"{r['row_bytes'] >> 10} KiB {r['op']}: tier keyed/default {r['keyed_ratio']:.2f} < "
+        f"{KEYED_TARGET}, and the MAC's bound is {r['keyed_bound']:.2f}"
+        for r in rows
+        if r["checked"]
+        and r["row_bytes"] == KEYED_TARGET_ROW
+        and not r["keyed_met"]
+        and r["keyed_bound"] >= KEYED_TARGET
     ]
     if args.quick:
         print("--quick: a smoke run; the targets are not enforced", file=sys.stderr)

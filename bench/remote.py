@@ -22,6 +22,14 @@ random rows are written and read back in calls of ``--batch`` chunks:
   On 2 cores, with redis-server on the other one, it measured 0.63-1.08 of
   raw (the same row with ML64, the checksum written before XXH3: 0.59-0.79).
 
+- ``tier-keyed``: the tier with an `AuthKey` as it writes by default (values
+  carry a keyed tag instead of the XXH3 checksum: AES-GMAC where the
+  ``cryptography`` package is installed, else HMAC-SHA256): its ratio to the
+  unkeyed ``tier`` is the cost of the key. Target: >= 0.8; where it is
+  missed, the summary prints the bound, the MAC's own speed on one core, and
+  what that leaves of the tier's. ``tier-keyed-hmac``: the same, the key
+  made to write HMAC-SHA256 (the speed without the ``auth`` extra).
+
 Each row is timed ``--repeat`` times, interleaved, and the best run counts
 (these machines are noisy). The figure that matters is the ratio, tier over
 raw, per direction and chunk size: of the best runs (``ratio``), and the
@@ -48,6 +56,8 @@ tier/raw, range then median of the 6; 256 KiB, then 2 MiB):
 from __future__ import annotations
 
 import argparse
+import hashlib
+import hmac
 import json
 import os
 import shutil
@@ -66,11 +76,13 @@ import numpy as np
 
 from tiering import make_offload_key
 from tiering.secondary import RemoteNamespace
+from tiering.secondary.auth import AuthKey, MacKind
 from tiering.secondary.checksum import Checksum, checksum
 from tiering.secondary.redis import RedisTier
 
 CHUNK_SIZES = (256 << 10, 2 << 20)
 TARGET = 0.7
+KEYED_TARGET = 0.8  # keyed tier over the unkeyed one
 
 
 def free_port() -> int:
@@ -146,8 +158,20 @@ async def run_size(port: int, chunk: int, args: argparse.Namespace) -> list[dict
     parts = batches(n, args.batch)
     timeout = max(10.0, 8 * args.batch * chunk / 50e6)
 
-    async with RedisTier(url, namespace, timeout_s=timeout, cluster=False) as tier:
+    keyed_keys = [make_offload_key(os.urandom(16)) for _ in range(n)]
+    hmac_keys = [make_offload_key(os.urandom(16)) for _ in range(n)]
+    secret = AuthKey(os.urandom(32))
+    hmac_secret = AuthKey(os.urandom(32), mac="hmac")
+    async with (
+        RedisTier(url, namespace, timeout_s=timeout, cluster=False) as tier,
+        RedisTier(url, namespace, timeout_s=timeout, cluster=False, auth_key=secret) as keyed,
+        RedisTier(
+            url, namespace, timeout_s=timeout, cluster=False, auth_key=hmac_secret
+        ) as hmac_keyed,
+    ):
         await tier.connect()
+        await keyed.connect()
+        await hmac_keyed.connect()
         client = tier.sync_client()
         aclient = redis.asyncio.Redis.from_url(
             url, socket_timeout=timeout, socket_read_size=256 << 10
@@ -163,6 +187,30 @@ async def run_size(port: int, chunk: int, args: argparse.Namespace) -> list[dict
             nonlocal ok
             for part in parts:
                 got = await tier.read([(keys[i], buffers[j]) for j, i in enumerate(part)])
+                ok &= all(got)
+
+        async def keyed_write() -> None:
+            nonlocal ok
+            for part in parts:
+                ok &= await keyed.write([(keyed_keys[i], rows[i]) for i in part]) == len(part)
+
+        async def keyed_read() -> None:
+            nonlocal ok
+            for part in parts:
+                got = await keyed.read([(keyed_keys[i], buffers[j]) for j, i in enumerate(part)])
+                ok &= all(got)
+
+        async def hmac_write() -> None:
+            nonlocal ok
+            for part in parts:
+                ok &= await hmac_keyed.write([(hmac_keys[i], rows[i]) for i in part]) == len(part)
+
+        async def hmac_read() -> None:
+            nonlocal ok
+            for part in parts:
+                got = await hmac_keyed.read(
+                    [(hmac_keys[i], buffers[j]) for j, i in enumerate(part)]
+                )
                 ok &= all(got)
 
         def raw_write_sync() -> None:
@@ -215,7 +263,11 @@ async def run_size(port: int, chunk: int, args: argparse.Namespace) -> list[dict
             ("raw", "write"): raw_write,
             ("raw-asyncio", "write"): async_write,
             ("raw+xxh3", "write"): checked_write,
+            ("tier-keyed", "write"): keyed_write,
+            ("tier-keyed-hmac", "write"): hmac_write,
             ("tier", "read"): tier_read,
+            ("tier-keyed", "read"): keyed_read,
+            ("tier-keyed-hmac", "read"): hmac_read,
             ("raw", "read"): raw_read,
             ("raw-asyncio", "read"): async_read,
         }
@@ -227,7 +279,12 @@ async def run_size(port: int, chunk: int, args: argparse.Namespace) -> list[dict
         # One more checked read: what the tier returns is what was written.
         sample = await tier.read([(keys[0], buffers[0])])
         ok &= sample == [True] and bytes(buffers[0]) == bytes(rows[0])
+        sample = await keyed.read([(keyed_keys[0], buffers[0])])
+        ok &= sample == [True] and bytes(buffers[0]) == bytes(rows[0])
+        sample = await hmac_keyed.read([(hmac_keys[0], buffers[0])])
+        ok &= sample == [True] and bytes(buffers[0]) == bytes(rows[0])
         stats = tier.statistics()
+        keyed_stats = [keyed.statistics(), hmac_keyed.statistics()]
         await anyio.to_thread.run_sync(client.flushall)
 
     out = []
@@ -235,6 +292,8 @@ async def run_size(port: int, chunk: int, args: argparse.Namespace) -> list[dict
         seconds, raw_runs = min(runs), times[("raw", direction)]
         # Each repeat ran every case once, in turn: its ratio pairs neighbouring runs.
         paired = statistics.median(r / t for r, t in zip(raw_runs, runs, strict=True))
+        unkeyed = times[("tier", direction)]
+        mac = mac_name(hmac_secret if client_name == "tier-keyed-hmac" else secret)
         out.append(
             {
                 "client": client_name,
@@ -247,11 +306,57 @@ async def run_size(port: int, chunk: int, args: argparse.Namespace) -> list[dict
                 "chunks_per_s": n / seconds,
                 "ratio_to_raw": min(raw_runs) / seconds,
                 "median_ratio": paired,
-                "verified": ok and stats.rejected_total == 0 and stats.errors_total == 0,
+                "verified": ok
+                and stats.rejected_total + sum(k.rejected_total for k in keyed_stats) == 0
+                and stats.errors_total + sum(k.errors_total for k in keyed_stats) == 0,
                 "raw": raw_client(),
+                # The cost of the key: this case over the unkeyed tier (best runs, and
+                # the median of each repeat's own ratio).
+                "ratio_to_unkeyed": min(unkeyed) / seconds,
+                "median_to_unkeyed": statistics.median(
+                    u / t for u, t in zip(unkeyed, runs, strict=True)
+                ),
+                # The MAC this case's values carry, on one core (an unkeyed case: the
+                # default's), then each kind's, for the bound.
+                "mac": mac,
+                "mac_gb_per_s": mac_speed(distinct[0], mac),
+                "hmac_gb_per_s": mac_speed(distinct[0], "hmac-sha256"),
+                "gmac_gb_per_s": mac_speed(distinct[0], "aes-gmac"),
+                "blake2b_gb_per_s": mac_speed(distinct[0], "blake2b"),
             }
         )
     return out
+
+
+def mac_name(key: AuthKey) -> str:
+    """The MAC ``key`` writes with, as `mac_speed` names it."""
+    return "aes-gmac" if key.mac_kind is MacKind.AES_GMAC else "hmac-sha256"
+
+
+def mac_speed(row: Any, kind: str, repeat: int = 20) -> float:
+    """GB/s of one core's MAC over ``row`` (best of ``repeat``): the bound of keyed values.
+    AES-GMAC's is a whole value's: its subkey derived, then the payload's tag (0: the
+    ``cryptography`` package is not installed)."""
+    key = os.urandom(32)
+    if kind == "aes-gmac":
+        try:
+            from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+        except ImportError:
+            return 0.0
+        base = hmac.new(key, digestmod=hashlib.sha256)
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        if kind == "blake2b":
+            hashlib.blake2b(row, key=key, digest_size=32).digest()
+        elif kind == "aes-gmac":
+            derive = base.copy()
+            derive.update(bytes(96))
+            AESGCM(derive.digest()).encrypt(bytes(12), b"", row)
+        else:
+            hmac.new(key, row, hashlib.sha256).digest()
+        best = min(best, time.perf_counter() - start)
+    return float(row.nbytes / best / 1e9)
 
 
 async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -294,6 +399,29 @@ def main() -> None:
         f"{verdict}); verified: {all(r['verified'] for r in tier)}; raw writes with the "
         f"checksum and nothing else: {ceiling:.2f} of raw; raw: {raw_client()}"
     )
+    print_keyed(rows)
+
+
+def print_keyed(rows: list[dict[str, Any]]) -> None:
+    """The cost of the key, per chunk size and direction, against `KEYED_TARGET`."""
+    for row in (r for r in rows if r["client"] in ("tier-keyed", "tier-keyed-hmac")):
+        unkeyed = next(
+            r
+            for r in rows
+            if r["client"] == "tier"
+            and (r["direction"], r["chunk_bytes"]) == (row["direction"], row["chunk_bytes"])
+        )
+        ratio = row["ratio_to_unkeyed"]
+        # One thread MACs each value as the tier moves it: t_keyed >= t_tier + t_mac.
+        bound = 1 / (1 + unkeyed["gb_per_s"] / row["mac_gb_per_s"])
+        verdict = "met" if ratio >= KEYED_TARGET else f"MISSED (bound {bound:.2f})"
+        print(
+            f"{row['client']}/tier {row['chunk_bytes'] >> 10} KiB {row['direction']} "
+            f"({row['mac']}): {ratio:.2f} (median {row['median_to_unkeyed']:.2f}; target "
+            f"{KEYED_TARGET}: {verdict}); MAC on one core: AES-GMAC "
+            f"{row['gmac_gb_per_s']:.2f} GB/s, HMAC-SHA256 {row['hmac_gb_per_s']:.2f}, keyed "
+            f"BLAKE2b {row['blake2b_gb_per_s']:.2f}; unkeyed tier {unkeyed['gb_per_s']:.2f} GB/s"
+        )
 
 
 def raw_client() -> str:

@@ -35,6 +35,7 @@ LAYERS: dict[str, float] = {
     "secondary": 4,  # the SecondaryTier contract, health, the in-memory tier
     "secondary.codec": 1,  # pure: the value format
     "secondary.checksum": 1,
+    "secondary.auth": 1,  # pure: the shared key of keyed values
     "secondary.redis": 6,  # redis-py, imported lazily
     "metrics": 5,
     "engine": 6,

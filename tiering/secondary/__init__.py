@@ -1,7 +1,8 @@
 """Secondary tiers: stores below the CPU tier (a local disk, in-process, or shared on Redis).
 
 The contract is `SecondaryTier`; values are namespaced and self-checking
-(`ChunkCodec`, `RemoteNamespace`). `DiskTier` is the persistent disk tier;
+(`ChunkCodec`, `RemoteNamespace`; with an `AuthKey`, writable only by its
+holders). `DiskTier` is the persistent disk tier;
 `MemoryTier` is the in-process twin used by tests. `TierChain` joins a CPU tier to
 the tiers below it in order: a `SecondaryCascade` writes landed stores through to
 each, and promotion brings chunks back from the first that has them. The Redis tier
@@ -11,6 +12,7 @@ the ``redis`` extra).
 
 from __future__ import annotations
 
+from tiering.secondary.auth import AuthKey
 from tiering.secondary.base import (
     Locality,
     ReadItem,
@@ -31,6 +33,7 @@ from tiering.secondary.health import HealthGate, TierState
 from tiering.secondary.memory import MemoryStore, MemoryTier
 
 __all__ = [
+    "AuthKey",
     "CascadeLimits",
     "ChunkCodec",
     "DiskTier",

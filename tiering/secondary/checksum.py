@@ -36,12 +36,15 @@ from __future__ import annotations
 import enum
 import threading
 import zlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import xxhash
 
-__all__ = ["Checksum", "checksum", "checksum_copy", "ml64", "splitmix64"]
+if TYPE_CHECKING:
+    from hmac import HMAC
+
+__all__ = ["Checksum", "checksum", "checksum_copy", "mac_copy", "ml64", "splitmix64"]
 
 _GAMMA = np.uint64(0x9E3779B97F4A7C15)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -143,3 +146,19 @@ def checksum_copy(kind: Checksum, src: memoryview, dst: memoryview | None) -> in
         if dst is not None:
             dst[full * 8 :] = src[full * 8 :]
     return h & _MASK
+
+
+def mac_copy(mac: HMAC, src: memoryview, dst: memoryview | None) -> bytes:
+    """Feed ``src`` to ``mac`` (copying it to ``dst`` on the way, if given); the tag.
+
+    As `checksum_copy`, slice by slice; each update of a slice releases the
+    GIL (hashlib does for more than 2 KiB), so threads MAC in parallel.
+    """
+    if dst is None:
+        mac.update(src)
+    else:
+        for start in range(0, src.nbytes, _SLICE):
+            piece = src[start : start + _SLICE]
+            mac.update(piece)
+            dst[start : start + _SLICE] = piece
+    return mac.digest()
