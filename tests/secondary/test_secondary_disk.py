@@ -154,9 +154,9 @@ class RecordingOs:
     def __getattr__(self, name: str) -> Any:
         return getattr(os, name)
 
-    def open(self, path: Any, flags: int, *args: Any) -> int:
+    def open(self, path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
         self.opened.append((str(path), flags))
-        return os.open(path, flags, *args)
+        return os.open(path, flags, *args, **kwargs)
 
     def fdatasync(self, fd: int) -> None:
         self.datasyncs += 1
@@ -299,10 +299,10 @@ async def test_a_new_process_finds_every_value_it_wrote(
 ) -> None:
     root = tmp_path / "disk"
     keys = chunks.keys(6)
-    folder_syncs: list[Path] = []
+    folder_syncs: list[int] = []  # the shard folders' descriptors
     real_fsync_folder = disk_files._fsync_folder
 
-    def fsync_folder(folder: Path) -> None:
+    def fsync_folder(folder: int) -> None:
         folder_syncs.append(folder)
         real_fsync_folder(folder)
 

@@ -153,11 +153,11 @@ class RenameFailsOnce:
     def __getattr__(self, name: str) -> Any:
         return getattr(os, name)
 
-    def rename(self, src: str, dst: str) -> None:
+    def rename(self, src: str, dst: str, **dir_fds: Any) -> None:
         if not self.fired and str(src).endswith(".tkv") and str(dst).endswith(".tmp"):
             self.fired = True  # ext4 may say ENOSPC for a new directory block
             raise OSError(self.code, os.strerror(self.code))
-        os.rename(src, dst)
+        os.rename(src, dst, **dir_fds)
 
 
 class HoldAfterUnlink:
@@ -172,9 +172,9 @@ class HoldAfterUnlink:
     def __getattr__(self, name: str) -> Any:
         return getattr(os, name)
 
-    def unlink(self, path: str) -> None:
-        os.unlink(path)
-        if str(path) == self.target and not self.reached.is_set():
+    def unlink(self, path: str, **dir_fd: Any) -> None:
+        os.unlink(path, **dir_fd)  # a name in the shard folder held open (dir_fd)
+        if os.path.basename(path) == os.path.basename(self.target) and not self.reached.is_set():
             self.reached.set()
             self.go.wait(10)
 

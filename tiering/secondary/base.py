@@ -89,7 +89,10 @@ class SecondaryStatistics(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     ``busy``, ``timeout``, ``failed`` (the call failed: connection lost,
     protocol error), ``cancelled`` (the caller gave up), or ``refused <CODE>``
     (the store refused that chunk: ``refused OOM`` from a full Redis with
-    ``noeviction``).
+    ``noeviction``), or ``node down`` (a store of many nodes, a Redis Cluster:
+    the node that holds the chunk's key is down, the others are served), or
+    ``not a regular file`` (the disk tier: a link, FIFO or folder where the
+    chunk's value or its shard folder belongs, left alone).
 
     Each thing is counted once, in one place: ``errors_total`` counts failed
     calls (the store unreachable, a timeout, a protocol error), never a
@@ -142,6 +145,9 @@ class SecondaryStatistics(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     evictions_total: int = 0
     #: Values the tier had and found gone (deleted or lost behind its back): misses.
     lost_total: int = 0
+    #: What the tier holds at most now: ``capacity_bytes`` (as configured), or less
+    #: where its file system holds less (the disk tier); None where it does not say.
+    effective_capacity_bytes: int | None = None
 
 
 #: Why chunks handed to `SecondaryTier.write` were not written (see `SecondaryStatistics`).
@@ -151,6 +157,7 @@ UNWRITTEN_BUSY = "busy"
 UNWRITTEN_TIMEOUT = "timeout"
 UNWRITTEN_FAILED = "failed"
 UNWRITTEN_CANCELLED = "cancelled"
+UNWRITTEN_NODE_DOWN = "node down"
 
 
 class TierCounters:

@@ -14,6 +14,22 @@ Design note:
   costs ~10x reusing one on ext4) or deletes them, before it writes. A call
   evicts only once a worker thread is its own: one answered without I/O
   (down, busy) evicts nothing.
+- **A file system smaller than the capacity.** The tier holds at most its
+  *effective* capacity: the configured one, or less where its file system
+  cannot hold that: what the tier's files take now plus what is free
+  (``fstatvfs`` of its folder), less a reserve of max(one value, 1% of the
+  file system), left for the file system's own needs and other writers (and
+  so that a full disk is found by measuring, not by a failed write). It is
+  measured at open (a folder found fuller than that is trimmed there, oldest
+  values first, so a second run on a full folder writes new values), by a
+  write every `SPACE_CHECK_S` at most, and at each write the disk refused for
+  space (``ENOSPC``, ``EDQUOT``; a short write at the end of the file system
+  is one: see `files`). Lowered, the tier evicts down to it and goes on
+  writing (into the victims' files): that refusal does not back off writes
+  unless nothing could be evicted. It rises again, up to the configured
+  capacity, as space frees up. ``statistics()`` reports both. A user quota
+  (``EDQUOT``) is not in ``fstatvfs``: refused for it, the tier holds at most
+  what its files take then (evicting into their files) until its next measure.
 - **Restarts.** Opening (`open`, or the first call, which waits for it at most
   its timeout, then answers busy) rebuilds the index from a scan of the
   files' heads in a thread of its own, oldest use first (a read sets a file's time):
@@ -27,6 +43,10 @@ Design note:
   into place: it is visible whole or not at all. ``fsync`` says what survives
   a power loss (`files.FSYNC_POLICIES`); a value whose data did not reach the
   disk fails its length or checksum and is never loaded.
+- **Its folder only.** Every name is used relative to the folder held open
+  (``openat``-style, ``O_NOFOLLOW``, reads ``O_NONBLOCK``, ``fstat`` checked to
+  be a regular file), its 256 shard folders opened once each and held: the
+  folder's contents are never trusted to be what the tier made (`files`).
 - **One owner.** The folder is locked (``flock``) by the process that opens it;
   another gets a `ConfigError` naming the holder, unless it opens read-only
   (no lock, no writes, nothing deleted).
@@ -41,7 +61,8 @@ Design note:
   at once (an abandon waits for at most one row's read or write in progress).
 - **Faults.** A full disk (``ENOSPC``, ``EDQUOT``), a read-only or forbidden
   folder (``EROFS``, ``EACCES``, ``EPERM``) refuse writes (counted by code; writes
-  back off, reads go on); a value deleted or truncated behind the tier's back
+  back off, reads go on; a full disk lowers the effective capacity instead,
+  where evicting makes room); a value deleted or truncated behind the tier's back
   is a counted miss (``lost_total``, a rejection) and leaves the index; the
   folder removed (or replaced) takes the tier down: calls are misses without
   I/O until the retry time, when the folder is made again and the index
@@ -57,6 +78,7 @@ import logging
 import math
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -69,6 +91,7 @@ from tiering._types import Medium, OffloadKey
 from tiering.config import DEFAULT_POLICY
 from tiering.errors import ConfigError, ResourceClosedError
 from tiering.policies import CachePolicy, create_policy
+from tiering.secondary.auth import AuthKey
 from tiering.secondary.base import (
     UNWRITTEN_BACKING_OFF,
     UNWRITTEN_BUSY,
@@ -90,6 +113,7 @@ from tiering.secondary.codec import ChunkCodec, RemoteNamespace, payload_row, wr
 from tiering.secondary.disk.files import (
     FSYNC_POLICIES,
     FULL_ERRNOS,
+    NOT_REGULAR,
     DirectoryGone,
     DiskFiles,
     ReadOutcome,
@@ -99,7 +123,7 @@ from tiering.secondary.disk.files import (
 )
 from tiering.secondary.health import Admission, HealthGate, TierState
 
-__all__ = ["DIRECT_WRITE_MIN", "FSYNC_POLICIES", "DiskTier", "ScanResult"]
+__all__ = ["DEFAULT_FILE_MODE", "DIRECT_WRITE_MIN", "FSYNC_POLICIES", "DiskTier", "ScanResult"]
 
 logger = logging.getLogger(__name__)
 
@@ -114,8 +138,30 @@ UNWRITTEN_READ_ONLY = "read only"
 #: buffered writes with it, 256 KiB rows at 0.6-0.85x of the tier's buffered writes.
 DIRECT_WRITE_MIN = 1 << 20
 
+#: The mode of the tier's new files (its new folders: 0o700): its own user's alone, as
+#: values hold users' prompts. ``file_mode`` widens it for a group that shares the tier.
+DEFAULT_FILE_MODE = 0o600
+
+
+def _check_file_mode(mode: object) -> None:
+    if isinstance(mode, bool) or not isinstance(mode, int) or not 0o600 <= mode <= 0o777:
+        shown = oct(mode) if isinstance(mode, int) and not isinstance(mode, bool) else repr(mode)
+        raise ConfigError(
+            f"file_mode must be a permission mode from 0o600 to 0o777 that lets the owner "
+            f"read and write (0o600 by default; 0o640 or 0o660 to share with a group), "
+            f"got {shown}"
+        )
+
+
 #: Errors that refuse writes (counted by code, writes back off) rather than fail the tier.
 _REFUSALS = FULL_ERRNOS | {errno.EACCES, errno.EPERM}
+#: Refusals for want of space: the tier measures its file system and fits into it.
+_NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+#: Seconds between two measures of the file system's free space by writes (at most one
+#: a period; refusals for space and opening measure at once). A measure is one
+#: ``fstatvfs``.
+SPACE_CHECK_S = 1.0
 
 
 class DiskTier(SecondaryTier):
@@ -130,6 +176,9 @@ class DiskTier(SecondaryTier):
     the page cache, which serves the recently written values again at memory
     speed); ``True`` requires it and uses it both ways; ``False`` never uses it.
     Only a row aligned to 4 KiB, in address and size, moves with ``O_DIRECT``.
+    ``auth_key`` (an `AuthKey`): values are written with a tag under it and
+    only values with a valid one are read (`tiering.secondary.codec`); the
+    others are rejected (``unauthenticated``) and deleted at open.
     ``read_only`` opens without the lock and never writes or deletes.
     ``timeout_s`` bounds each call; ``max_concurrency`` worker threads do the
     I/O; ``backoff_s`` is the retry delay while the folder is gone or writes are
@@ -137,6 +186,19 @@ class DiskTier(SecondaryTier):
 
     Constructing takes the folder's lock (a `ConfigError` if another process
     holds it) and does no other I/O; `open` (or the first call) scans it.
+
+    The tier acts only inside its folder: every name in it is opened, renamed and
+    deleted relative to the folder held open, never through a symbolic link
+    (only ``path`` itself is looked up, and may be a link the operator made). A
+    link, FIFO, socket, device or folder where a value or a shard folder belongs
+    is never followed, read, written or deleted: counted
+    (``rejected_by_reason["not a regular file"]``) and left alone; a ``.lock``
+    that is a link is a `ConfigError` naming it. New files are made 0600 and new
+    folders 0700 (whatever the umask: values hold users' prompts); ``file_mode``
+    (0o600 to 0o777, the owner's read and write at least; 0o640 or 0o660 for a
+    group that shares the tier) sets the files' mode, and the folders get it plus
+    search where it has read. An existing folder open to other users beyond that
+    gets one warning line at open, and is left as it is.
     """
 
     name = "disk"
@@ -144,6 +206,8 @@ class DiskTier(SecondaryTier):
     medium = Medium.STORAGE
     locality = Locality.LOCAL
     write_concurrency = 2  # a write's file work overlaps the next one's hand-off
+    #: Seconds between a write's measures of free space (`SPACE_CHECK_S`).
+    space_check_s = SPACE_CHECK_S
 
     def __init__(
         self,
@@ -160,7 +224,10 @@ class DiskTier(SecondaryTier):
         backoff_s: tuple[float, float] = (0.05, 5.0),
         touch_reads: bool = True,
         checksum: Checksum = Checksum.XXH3,
+        auth_key: AuthKey | None = None,
+        file_mode: int = DEFAULT_FILE_MODE,
     ) -> None:
+        _check_file_mode(file_mode)
         if fsync not in FSYNC_POLICIES:
             raise ConfigError(f"fsync must be one of {', '.join(FSYNC_POLICIES)}, got {fsync!r}")
         if not timeout_s > 0:
@@ -168,7 +235,7 @@ class DiskTier(SecondaryTier):
         threads = max_concurrency
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ConfigError(f"max_concurrency must be a positive integer, got {threads!r}")
-        self.codec = ChunkCodec(namespace, checksum)
+        self.codec = ChunkCodec(namespace, checksum, auth_key)
         value = self.codec.row_bytes + head_bytes(self.codec, OffloadKey(bytes(16)))
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
             raise ConfigError(f"capacity_bytes must be an integer, got {capacity_bytes!r}")
@@ -180,7 +247,12 @@ class DiskTier(SecondaryTier):
         self.path = Path(path)
         if self.path.exists() and not self.path.is_dir():
             raise ConfigError(f"the disk tier folder {self.path} is a file, not a folder")
+        #: The configured capacity; `effective_capacity_bytes` is what the tier holds
+        #: at most now (less where its file system holds less: see the design note).
         self.capacity_bytes = capacity_bytes
+        self.effective_capacity_bytes = capacity_bytes
+        self._measured_at = -math.inf  # when a write last measured free space
+        self._space_at_open: tuple[int, int] | None = None  # measured by the scan's thread
         self.read_only = read_only
         self.timeout_s = timeout_s
         self.max_concurrency = max_concurrency
@@ -191,8 +263,9 @@ class DiskTier(SecondaryTier):
         chunks = max(1, capacity_bytes // value)
         self.policy = create_policy(policy, chunks) if isinstance(policy, str) else policy
         self._files = DiskFiles(
-            self.path, self.codec, fsync=fsync, direct=False, read_only=read_only
-        )
+            self.path, self.codec, fsync=fsync, direct=False, read_only=read_only,
+            file_mode=file_mode,
+        )  # fmt: skip
         self._health = HealthGate(backoff_s)
         self._write_gate = HealthGate(backoff_s)  # refused writes back off on their own
         if not read_only:
@@ -218,6 +291,7 @@ class DiskTier(SecondaryTier):
         self._trash: list[OffloadKey] = []  # victims still on disk: the next write deletes them
         self._evictions = 0
         self._lost = 0
+        self._warned_not_regular = False
 
     # -- life -------------------------------------------------------------------------
 
@@ -284,7 +358,9 @@ class DiskTier(SecondaryTier):
                 files.direct_read, files.direct_write_min = True, 0
             elif supported:  # where it helps (bench/disk.py): writes of large rows
                 files.direct_write_min = DIRECT_WRITE_MIN
-        return files.scan()
+        report = files.scan()
+        self._space_at_open = None if self.read_only else _measure(files)
+        return report
 
     def _adopt(self, report: ScanResult) -> list[OffloadKey]:
         """Index what a scan found (oldest first), then trim to capacity; the victims,
@@ -298,14 +374,38 @@ class DiskTier(SecondaryTier):
             self.policy.insert([key])
         self._opened = True
         self.open_report = report
-        victims = self._evict(self._used - self.capacity_bytes, protected=()) or []
+        space, self._space_at_open = self._space_at_open, None
+        if space is not None:  # a file system smaller than the capacity: fit into it
+            self._measured_at = time.monotonic()
+            self._fit(space)
+        victims = self._evict(self._used - self.effective_capacity_bytes, protected=()) or []
         if report.dropped:
             logger.warning(
                 "disk tier %s: dropped at open: %s",
                 self.path,
                 ", ".join(f"{n:,} {why}" for why, n in report.dropped.items()),
             )
+        if report.not_regular:
+            self._not_regular(report.not_regular, "at open")
         return [] if self.read_only else victims
+
+    def _not_regular(self, n: int, where: str) -> None:
+        """Count ``n`` entries that are not regular files where values (or shards) belong:
+        links, FIFOs, sockets, devices, folders; never followed, read, written or deleted."""
+        c = self._counters
+        c.rejected_total += n
+        c.rejected_by_reason[NOT_REGULAR] = c.rejected_by_reason.get(NOT_REGULAR, 0) + n
+        c.last_rejection = f"{NOT_REGULAR}: {n} {where}"
+        if self._warned_not_regular and where != "at open":
+            return  # one line; the count goes on
+        self._warned_not_regular = True
+        logger.warning(
+            "disk tier %s: %d entries %s are not regular files where its values belong "
+            "(links, FIFOs, sockets, devices or folders): left alone, never followed",
+            self.path,
+            n,
+            where,
+        )
 
     async def aclose(self) -> None:
         """Wait (at most ``timeout_s``) for calls in flight, release the folder. Idempotent."""
@@ -415,7 +515,7 @@ class DiskTier(SecondaryTier):
                 if key not in self._reading:
                     rewritten.discard(key)
         good: list[OffloadKey] = []
-        vanished = set(out.vanished)
+        vanished = set(out.vanished) | set(out.not_regular)
         for position, verdict in enumerate(out.verdicts):
             key = keys[position]
             if verdict is None:
@@ -435,6 +535,11 @@ class DiskTier(SecondaryTier):
         for exc in out.errors.values():
             c.read_misses_total += 1
             c.error(f"reading a value: {describe(exc)}")
+        if out.not_regular:  # a rejection, as a value that fails a check; its entry stays
+            self._not_regular(len(out.not_regular), "read")
+            for position in out.not_regular:
+                if keys[position] not in fresh:
+                    self._forget(keys[position])
         if good:
             self.policy.touch(good)
         return filled
@@ -445,6 +550,7 @@ class DiskTier(SecondaryTier):
         return _with_capacity(
             snapshot,
             capacity_bytes=self.capacity_bytes,
+            effective_capacity_bytes=self.effective_capacity_bytes,
             used_bytes=self._used,
             chunks=len(self._sizes),
             evictions_total=self._evictions,
@@ -466,6 +572,7 @@ class DiskTier(SecondaryTier):
             plan.victims = self._room_for(plan)
             plan.no_room = len(rows) - plan.busy - len(plan.items)
             plan.victims += self._take_trash()
+            plan.measure = self._measure_due()
             plan.reserved = sum(self._value_bytes(k) for k in plan.new)
             self._reserved += plan.reserved
             self._unlinking.update(plan.victims)
@@ -474,12 +581,15 @@ class DiskTier(SecondaryTier):
             plan.made = True
 
         out = WriteOutcome()
+
+        def work(guard: Guard) -> None:
+            self._files.write(guard, plan.victims, plan.items, out)
+            if plan.measure or any(e.errno in _NO_SPACE for e in out.errors.values()):
+                plan.space = _measure(self._files)
+
         cause = UNWRITTEN_CANCELLED
         try:
-            _, cause = await self._run(
-                lambda guard: self._files.write(guard, plan.victims, plan.items, out),
-                plan=make_plan,
-            )
+            _, cause = await self._run(work, plan=make_plan)
         finally:
             if not plan.made:  # no I/O: nothing chosen, nothing evicted
                 self._write_gate.release(writing)
@@ -524,10 +634,19 @@ class DiskTier(SecondaryTier):
         self._trash.extend(v for i, v in enumerate(plan.victims) if i not in gone)
         _uncount(self._writing, [key for key, _ in plan.items])
         written = self._settle_write(plan.items, out)
-        refused = self._refusals(plan.items, out, writing, cause)
-        c.written(written, len(plan.items), self.row_bytes, cause=cause, refused=refused)
-        for reason, n in ((UNWRITTEN_BUSY, plan.busy), (UNWRITTEN_NO_ROOM, plan.no_room)):
-            if n:  # skipped before any I/O: counted under their own reasons
+        if out.not_regular:
+            self._not_regular(out.not_regular, "written or evicted")
+        quota = any(e.errno == errno.EDQUOT for e in out.errors.values())
+        room = False if plan.space is None else self._refit(plan.space, quota)
+        refused = self._refusals(plan.items, out, writing, cause, room)
+        offered = len(plan.items) - out.blocked
+        c.written(written, offered, self.row_bytes, cause=cause, refused=refused)
+        for reason, n in (
+            (UNWRITTEN_BUSY, plan.busy),
+            (UNWRITTEN_NO_ROOM, plan.no_room),
+            (NOT_REGULAR, out.blocked),  # a link where the value or its shard belongs
+        ):
+            if n:  # not written for reasons of their own: counted under them
                 c.write_errors_total += n
                 by_reason = c.write_errors_by_reason
                 by_reason[reason] = by_reason.get(reason, 0) + n
@@ -544,7 +663,7 @@ class DiskTier(SecondaryTier):
         new keys. ``dry_run`` only says whether room can be made (victims stay)."""
         new = list(dict.fromkeys(k for k, _ in items if k not in self._sizes))
         need = self._used + self._reserved + sum(map(self._value_bytes, new))
-        need -= self.capacity_bytes
+        need -= self.effective_capacity_bytes
         if dry_run:
             evictable = len(self.policy) - sum(1 for k in set(protected) if k in self._sizes)
             value = self._value_bytes(OffloadKey(bytes(16)))
@@ -581,14 +700,19 @@ class DiskTier(SecondaryTier):
         out: WriteOutcome,
         writing: Admission,
         cause: str,
+        room: bool = False,
     ) -> list[tuple[str, str]]:
-        """``(code, message)`` per chunk the disk refused; the write gate learns of them."""
+        """``(code, message)`` per chunk the disk refused; the write gate learns of them.
+        ``room``: the tier evicted to fit its file system (`_refit`), so refusals for
+        space alone do not back writes off: the next write goes into the room made."""
         refused: list[tuple[str, str]] = []
         full: int | None = None
+        space_only = True
         for position, exc in sorted(out.errors.items()):
             code = errno.errorcode.get(exc.errno or 0, "EIO")
             if exc.errno in _REFUSALS:
                 refused.append((code, f"{code}: {describe(exc)}"))
+                space_only = space_only and exc.errno in _NO_SPACE
                 if exc.errno in FULL_ERRNOS:
                     full = position
             else:
@@ -596,7 +720,7 @@ class DiskTier(SecondaryTier):
         if full is not None and cause == UNWRITTEN_FAILED:
             # The values after a full disk were not tried: refused alike.
             refused += [refused[-1]] * (len(items) - full - 1)
-        if refused:
+        if refused and not (room and space_only):
             if self._write_gate.failed(writing):
                 logger.warning(
                     "disk tier %s refused %d writes (%s); writes back off, reads go on",
@@ -604,12 +728,61 @@ class DiskTier(SecondaryTier):
                     len(refused),
                     refused[0][1],
                 )
-        elif out.renamed:
+        elif out.renamed or refused:  # written, or refused for space with room made
             if self._write_gate.succeeded(writing):
                 logger.warning("disk tier %s accepts writes again", self.path)
         else:
             self._write_gate.release(writing)
         return refused
+
+    # -- fitting the file system ----------------------------------------------------------
+
+    def _measure_due(self) -> bool:
+        """Whether this write measures free space (once a `space_check_s` at most)."""
+        now = time.monotonic()
+        if now - self._measured_at < self.space_check_s:
+            return False
+        self._measured_at = now
+        return True
+
+    def _fit(self, space: tuple[int, int], quota: bool = False) -> None:
+        """Set the effective capacity from ``(free, total)`` bytes of the file system: what
+        the tier's files take (its values, and victims still on disk) plus what is free,
+        less the reserve, at least one value and at most the configured capacity.
+        ``quota``: the disk just refused a write for the user's quota (``EDQUOT``), which
+        ``fstatvfs`` does not show: at most what the tier's files take now."""
+        free, total = space
+        value = self._value_bytes(OffloadKey(bytes(16)))
+        own = self._used + value * (len(self._trash) + len(self._unlinking))
+        fits = max(value, own + free - max(value, total // 100))
+        if quota:
+            fits = min(fits, max(value, own))
+        before = self.effective_capacity_bytes
+        now = self.effective_capacity_bytes = min(self.capacity_bytes, fits)
+        if now < self.capacity_bytes <= before:
+            logger.warning(
+                "disk tier %s: its file system holds %s bytes of values, less than the "
+                "configured %s: holding at most that (evicting) until space frees up",
+                self.path,
+                f"{now:,}",
+                f"{self.capacity_bytes:,}",
+            )
+        elif before < self.capacity_bytes <= now:
+            logger.warning(
+                "disk tier %s: space freed up, back to its configured capacity (%s bytes)",
+                self.path,
+                f"{now:,}",
+            )
+
+    def _refit(self, space: tuple[int, int], quota: bool = False) -> bool:
+        """`_fit`, then evict down to the effective capacity (the victims' files go with
+        the next write); whether there is room made that the next write will use (or,
+        at a quota, values it may evict: their files take the next values)."""
+        self._fit(space, quota)
+        need = self._used + self._reserved - self.effective_capacity_bytes
+        victims = self._evict(need, _Protected(set(), self._reading, self._writing)) or []
+        self._trash.extend(victims)
+        return bool(self._trash) or (quota and len(self.policy) > 0)
 
     # -- the index ------------------------------------------------------------------------
 
@@ -763,18 +936,26 @@ class DiskTier(SecondaryTier):
         files = self._files
         files.relock()  # the root may be new: hold its lock, or stay down
         files.make_folder()
-        return files.scan()
+        report = files.scan()
+        self._space_at_open = None if self.read_only else _measure(files)  # a reader: never
+        return report
 
     def _failed(self, admission: Admission, message: str) -> None:
         self._counters.error(message)
         if self._health.failed(admission):
             logger.warning("disk tier %s is down: %s", self.path, message)
 
+    def _capacity_text(self) -> str:
+        effective, configured = self.effective_capacity_bytes, self.capacity_bytes
+        if effective == configured:
+            return f"{configured:,}"
+        return f"{effective:,} (of {configured:,} configured)"
+
     def __repr__(self) -> str:
         c = self._counters
         return (
             f"<DiskTier [{self.state.value}; {self.path}; {len(self._sizes)} values, "
-            f"{self._used:,}/{self.capacity_bytes:,} bytes; {c.hits_total} hits, "
+            f"{self._used:,}/{self._capacity_text()} bytes; {c.hits_total} hits, "
             f"{c.misses_total} misses, {c.reads_total} read, {c.writes_total} written, "
             f"{c.rejected_total} rejected, {c.errors_total} errors]>"
         )
@@ -871,14 +1052,25 @@ class _Protected:
 class _WritePlan:
     """What a write chose once a thread was its own (see `DiskTier._write`)."""
 
-    __slots__ = ("busy", "items", "made", "new", "no_room", "reserved", "victims")
+    __slots__ = (
+        "busy", "items", "made", "measure", "new", "no_room", "reserved", "space", "victims"
+    )  # fmt: skip
 
     def __init__(self) -> None:
-        self.made = False
+        self.made = self.measure = False
+        self.space: tuple[int, int] | None = None  # (free, total) bytes, if measured
         self.items: list[tuple[OffloadKey, memoryview]] = []
         self.new: list[OffloadKey] = []
         self.victims: list[OffloadKey] = []
         self.busy = self.no_room = self.reserved = 0
+
+
+def _measure(files: DiskFiles) -> tuple[int, int] | None:
+    """``(free, total)`` bytes of the tier's file system; None where it cannot say."""
+    try:
+        return files.space()
+    except OSError:
+        return None
 
 
 def _with_capacity(snapshot: SecondaryStatistics, **fields: int) -> SecondaryStatistics:
