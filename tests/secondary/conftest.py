@@ -150,13 +150,20 @@ class RedisServer:
 
 
 class RedisClusterRig:
-    """Three masters, no replicas, all 16384 slots assigned by ``redis-cli --cluster create``."""
+    """Three masters, all 16384 slots assigned by ``redis-cli --cluster create``.
 
-    def __init__(self, directory: Path) -> None:
+    ``replicas`` per master (each in sync before the rig is handed out),
+    ``node_timeout_ms`` (how soon a node is taken as failed), and ``*args``
+    for every node (``--cluster-require-full-coverage no``).
+    """
+
+    def __init__(
+        self, directory: Path, *args: str, replicas: int = 0, node_timeout_ms: int = 5000
+    ) -> None:
         cli = require_binary("redis-cli")
         self.nodes: list[RedisServer] = []
         try:
-            for i in range(3):
+            for i in range(3 * (1 + replicas)):
                 self.nodes.append(
                     RedisServer(
                         directory / f"node{i}",
@@ -165,7 +172,8 @@ class RedisClusterRig:
                         "--cluster-config-file",
                         "nodes.conf",
                         "--cluster-node-timeout",
-                        "5000",
+                        str(node_timeout_ms),
+                        *args,
                         cluster=True,
                     )
                 )
@@ -177,27 +185,39 @@ class RedisClusterRig:
                     "create",
                     *addresses,
                     "--cluster-replicas",
-                    "0",
+                    str(replicas),
                     "--cluster-yes",
                 ],
                 check=True,
                 capture_output=True,
                 timeout=60,
             )
-            deadline = time.monotonic() + 30
-            while not all(self._ok(node) for node in self.nodes):
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the Redis Cluster did not reach cluster_state:ok")
-                time.sleep(0.05)
+            self.wait_ok(self.nodes)
         except BaseException:
             self.stop()
             raise
 
+    def wait_ok(self, nodes: list[RedisServer], timeout_s: float = 30.0) -> None:
+        """Poll until every one of ``nodes`` says cluster_state:ok and each replica is in sync."""
+        deadline = time.monotonic() + timeout_s
+        while not self.ok(nodes):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the Redis Cluster did not reach cluster_state:ok")
+            time.sleep(0.05)
+
+    def ok(self, nodes: list[RedisServer]) -> bool:
+        """Whether every one of ``nodes`` says cluster_state:ok, each replica in sync."""
+        return all(self._ok(node) for node in nodes)
+
     @staticmethod
     def _ok(node: RedisServer) -> bool:
-        info = node.client().execute_command("CLUSTER", "INFO")
+        client = node.client()
+        info = client.execute_command("CLUSTER", "INFO")
         text = info.decode() if isinstance(info, bytes) else str(info)
-        return "cluster_state:ok" in text
+        if "cluster_state:ok" not in text:
+            return False
+        replication = client.info("replication")
+        return replication.get("role") != "slave" or replication.get("master_link_status") == "up"
 
     @property
     def url(self) -> str:
@@ -300,6 +320,33 @@ def own_redis_server(tmp_path: Path) -> Iterator[RedisServer]:
 def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterRig]:
     require_redis_py()
     rig = RedisClusterRig(tmp_path_factory.mktemp("redis-cluster"))
+    yield rig
+    rig.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_partial_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterRig]:
+    """Three masters that serve their slots while another is lost (a module's own: to kill)."""
+    require_redis_py()
+    rig = RedisClusterRig(
+        tmp_path_factory.mktemp("redis-cluster-partial"),
+        "--cluster-require-full-coverage",
+        "no",
+        node_timeout_ms=1000,
+    )
+    yield rig
+    rig.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_replicated_cluster(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[RedisClusterRig]:
+    """Three masters with a replica each, failing over in about two seconds (to kill)."""
+    require_redis_py()
+    rig = RedisClusterRig(
+        tmp_path_factory.mktemp("redis-cluster-replicas"), replicas=1, node_timeout_ms=1000
+    )
     yield rig
     rig.stop()
 

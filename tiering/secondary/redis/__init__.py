@@ -46,6 +46,13 @@ the wrong type) is counted by its code and does not take the tier down; but a
 refused write takes the tier's *writes* down on a gate of their own, with the
 same backoff: a Redis full under ``noeviction`` is not sent every
 write-through only to refuse it, while lookups and reads go on.
+
+On a Redis Cluster, a node that cannot be reached takes only its own slots
+down, with the same backoff per node (see `tiering.secondary.redis.wire`):
+its keys miss and its writes are dropped and counted (``node down``), the
+other nodes' keys are served, and the tier is *down* only when every node
+that holds slots is. A replica promoted in its place, or the node's return,
+is found by its next probe. A standalone server is one gate, as above.
 """
 
 from __future__ import annotations
@@ -59,12 +66,14 @@ import anyio.lowlevel
 
 from tiering._types import OffloadKey
 from tiering.errors import ConfigError, ResourceClosedError
+from tiering.secondary.auth import AuthKey
 from tiering.secondary.base import (
     UNWRITTEN_BACKING_OFF,
     UNWRITTEN_BUSY,
     UNWRITTEN_CANCELLED,
     UNWRITTEN_DOWN,
     UNWRITTEN_FAILED,
+    UNWRITTEN_NODE_DOWN,
     UNWRITTEN_TIMEOUT,
     Locality,
     ReadItem,
@@ -98,14 +107,17 @@ class RedisTier(SecondaryTier):
     and an LRU policy). ``timeout_s`` bounds every call and every socket
     operation; ``connect_timeout_s`` (default: ``timeout_s``) each connect.
     A call's keys go in pipelines of at most ``max_batch`` keys (one round trip each).
-    ``backoff_s`` is ``(first, longest)`` retry delay while the server is away.
+    ``backoff_s`` is ``(first, longest)`` retry delay while the server is away
+    (on a cluster: each node that is away, its keys missing meanwhile).
     At most ``max_concurrency`` calls run at once, each in a worker thread;
     others wait for a thread within their timeout (one that waits it all out
     is counted in ``busy_total`` and answered as misses; the tier stays up).
     ``checksum`` is what values are written with (`Checksum` or its name):
     ``xxh3``, or ``ml64`` while engines of a version before XXH3, which
     reject it, still read the same store (a rolling upgrade); values of
-    every kind are read.
+    every kind are read. ``auth_key`` (an `AuthKey`, the same for every
+    engine of the store): values are written with a tag under it and only
+    values with a valid one are read (`tiering.secondary.codec`).
 
     Constructing does no I/O; the first call connects. `open` connects now
     and reports a wrong URL, credentials or server as `ConfigError`.
@@ -128,6 +140,7 @@ class RedisTier(SecondaryTier):
         socket_read_size: int = 256 << 10,
         locality: Locality = Locality.REMOTE,
         checksum: Checksum | str = Checksum.XXH3,
+        auth_key: AuthKey | None = None,
     ) -> None:
         for label, value in (("timeout_s", timeout_s), ("connect_timeout_s", connect_timeout_s)):
             if value is not None and not value > 0:
@@ -144,7 +157,7 @@ class RedisTier(SecondaryTier):
         address, plain_url, cluster = parse_url(url, cluster)
         #: The server's URL without its password: safe to log and show.
         self.url = redact_url(url)
-        self.codec = ChunkCodec(namespace, _checksum(checksum))
+        self.codec = ChunkCodec(namespace, _checksum(checksum), auth_key)
         self.locality = locality
         self.ttl_s = ttl_s
         self.timeout_s = timeout_s
@@ -170,6 +183,7 @@ class RedisTier(SecondaryTier):
             socket_read_size=socket_read_size,
             max_batch=max_batch,
             ttl_s=ttl_s,
+            backoff_s=backoff_s,
         )
 
     @classmethod
@@ -190,7 +204,10 @@ class RedisTier(SecondaryTier):
 
     @property
     def state(self) -> TierState:
-        return TierState.CLOSED if self._closed else self._health.state
+        """``down`` when the server is, or on a cluster when every node that holds slots is."""
+        if self._closed:
+            return TierState.CLOSED
+        return TierState.DOWN if self._wire.nodes_down() else self._health.state
 
     async def connect(self) -> None:
         """Connect now (detecting a cluster) and PING; raise `ConfigError` naming what is wrong."""
@@ -244,7 +261,12 @@ class RedisTier(SecondaryTier):
         if answer is None:
             return c.written(0, len(rows), self.row_bytes, cause=cause)
         written = sum(1 for v in answer.values if v)
-        return c.written(written, len(rows), self.row_bytes, cause=cause, refused=answer.refused)
+        down = len(answer.node_down)  # on a cluster node that is down: none written
+        if down:
+            c.written(0, down, self.row_bytes, cause=UNWRITTEN_NODE_DOWN)
+        return c.written(
+            written, len(rows) - down, self.row_bytes, cause=cause, refused=answer.refused
+        )
 
     async def read(self, items: Sequence[ReadItem]) -> list[bool]:
         self._check_open()
@@ -302,6 +324,9 @@ class RedisTier(SecondaryTier):
         """
         c = self._counters
         admission = self._health.admit()
+        if admission is not None and self._wire.nodes_down(waiting=True):
+            self._health.release(admission)  # every node of the cluster is down, none due
+            admission = None
         if admission is None:
             c.unavailable_total += 1
             await anyio.lowlevel.checkpoint()  # answered without I/O, but still a checkpoint
@@ -314,6 +339,7 @@ class RedisTier(SecondaryTier):
             return None, UNWRITTEN_BACKING_OFF
         guard = Guard()
         answer: Answer[T] | None = None
+        box: Answer[T] = Answer(len(rows))  # what the thread fills, seen here if it times out
         slots, threads = self._limiters()
         started = False
         try:
@@ -325,6 +351,7 @@ class RedisTier(SecondaryTier):
                         work,
                         guard,
                         rows,
+                        box,
                         abandon_on_cancel=True,
                         limiter=threads,
                     )
@@ -348,11 +375,30 @@ class RedisTier(SecondaryTier):
         if answer is None:
             guard.abandon()
             c.timeouts_total += 1
-            self._failed(admission, f"TimeoutError: no answer within {self.timeout_s} s")
+            message = f"TimeoutError: no answer within {self.timeout_s} s"
+            # Read ``stuck`` first: the thread records a node's failure before it
+            # moves on, so a node that timed out in this call is seen either way.
+            stuck = box.stuck
+            slow = [text for text, timed_out in list(box.node_failures) if timed_out]
+            if stuck is None and not box.node_failures:
+                self._failed(admission, message)
+            elif slow:  # a node timed out in this call, and took the call's time with it
+                self._health.release(admission)
+                c.error(f"{message} ({slow[0]})")
+            else:  # stuck is not None: one node of a cluster kept the call waiting
+                self._health.release(admission)
+                if stuck is not None:
+                    self._wire.node_timed_out(stuck)
+                    message = f"{message} (node {stuck[0]}:{stuck[1]})"
+                c.error(message)
             return None, UNWRITTEN_TIMEOUT
         c.round_trips_total += answer.round_trips
         for error in answer.errors:
             c.error(error)
+        for message, timed_out in answer.node_failures:  # one node of a cluster
+            c.error(message)
+            c.timeouts_total += timed_out
+        c.reconnects_total += answer.nodes_back
         if not write:  # a write's refusals are counted with its chunks
             for reason, message in answer.refused:
                 c.refused(reason, message)
@@ -393,6 +439,8 @@ class RedisTier(SecondaryTier):
     def __repr__(self) -> str:
         c = self._counters
         kind = " cluster" if self._wire.cluster else ""
+        down = len(self._wire.nodes.down()) if self._wire.cluster else 0
+        kind += f", {down} node{'s' if down != 1 else ''} down" if down else ""
         return (
             f"<RedisTier [{self.state.value}; {self.url}{kind}; {c.hits_total} hits, "
             f"{c.misses_total} misses, {c.reads_total} read, {c.writes_total} written, "

@@ -21,6 +21,16 @@ thread and copied into the row in the same pass as its checksum). A ``MOVED``
 or ``ASK`` reply (the cluster is resharding) is a miss, counted, and the slot
 map is refreshed before the next call.
 
+Nodes, one at a time: on a cluster, a node that cannot be reached takes only
+its own slots down (`NodeGates`): its keys miss and its writes are dropped
+(``node down``) without I/O, while every other node is sent its commands as
+before. When a down node's retry time comes, the call that takes the probe
+asks the node (``CLUSTER INFO``); it is up again when it answers that it
+serves its slots (``cluster_state:ok``). If it does not, the slot map is
+refreshed (``CLUSTER SLOTS``: a replica promoted in its place now holds its
+slots, and is sent them in this very call). So a node that is away costs the
+calls of the other nodes at most one wait per probe.
+
 What redis-py still does, and why: the cluster's slot map (``RedisCluster``:
 discovery, ``MOVED`` refreshes), the exception classes the tier's errors are
 reported in, and `RedisWire.client` for benchmarks and diagnostics. It reads
@@ -38,8 +48,8 @@ from typing import Any, Generic, TypeVar
 from tiering._types import OffloadKey
 from tiering.errors import ResourceClosedError
 from tiering.secondary.base import describe
-from tiering.secondary.checksum import checksum_copy
 from tiering.secondary.codec import ChunkCodec, Verdict
+from tiering.secondary.health import Admission, NodeGates
 from tiering.secondary.redis.address import RedisAddress
 from tiering.secondary.redis.connection import Abandoned, Connection, ConnectionPool, Guard
 from tiering.secondary.redis.failures import config_error, error_from_reply, errors
@@ -65,12 +75,26 @@ def _thread_buffer(name: str, size: int) -> memoryview:
 
 #: One chunk of a call: its key, its remote key, and its row (``None`` for ``contains``).
 Row = tuple[OffloadKey, bytes, Any]
+#: A cluster node: its host and port.
+Node = tuple[str, int]
 
 
 class Answer(Generic[T]):
     """What a worker thread did: a value per row (``None``: no answer), errors, trips."""
 
-    __slots__ = ("errors", "moved", "refused", "round_trips", "timed_out", "unavailable", "values")
+    __slots__ = (
+        "errors",
+        "moved",
+        "node_down",
+        "node_failures",
+        "nodes_back",
+        "refused",
+        "round_trips",
+        "stuck",
+        "timed_out",
+        "unavailable",
+        "values",
+    )
 
     def __init__(self, rows: int) -> None:
         self.values: list[T | None] = [None] * rows
@@ -85,6 +109,14 @@ class Answer(Generic[T]):
         self.unavailable: str | None = None
         #: Whether that was a socket timing out.
         self.timed_out = False
+        #: Rows not answered because their cluster node is down (or went down in this call).
+        self.node_down: list[int] = []
+        #: ``(what failed, whether it timed out)`` per cluster node that failed in this call.
+        self.node_failures: list[tuple[str, bool]] = []
+        #: Cluster nodes this call found back up.
+        self.nodes_back = 0
+        #: The cluster node the call waits on now (if the call times out: the one to blame).
+        self.stuck: Node | None = None
 
 
 #: What a call does in its thread: ``work(guard, answer, rows, batch)``.
@@ -128,8 +160,7 @@ class _ChunkSink:
         if self.direct:
             return self.codec.check_payload(kind, expected, self.out)
         received = _thread_buffer("value", self.out.nbytes)[: self.out.nbytes]
-        ok = checksum_copy(kind, received, self.out) == expected
-        return Verdict.OK if ok else Verdict.BAD_CHECKSUM
+        return self.codec.check_payload(kind, expected, received, self.out)  # and copied
 
 
 class RedisWire:
@@ -148,6 +179,7 @@ class RedisWire:
         socket_read_size: int,
         max_batch: int,
         ttl_s: float | None,
+        backoff_s: tuple[float, float] = (0.05, 5.0),
     ) -> None:
         self.address = address
         self._url = url  # for redis-py (the cluster's slot map, `client`)
@@ -168,6 +200,9 @@ class RedisWire:
         self._client: Any = None  # redis-py's client of `client`
         self._ready = False
         self._refresh_slots = False  # set when the cluster's slot map is stale
+        #: The health of each cluster node (only those that failed are tracked).
+        self.nodes: NodeGates[Node] = NodeGates(backoff_s)
+        self._masters: frozenset[Node] = frozenset()  # the nodes that hold slots
 
     # -- setting up ----------------------------------------------------------------
 
@@ -201,6 +236,7 @@ class RedisWire:
                         slot_map.close()
                         raise ResourceClosedError(f"the Redis tier at {self.url} is closed")
                     self._slot_map = slot_map
+                self._masters = _masters(slot_map)
             self._ready = True
 
     def _cluster_enabled(self) -> bool:
@@ -232,7 +268,11 @@ class RedisWire:
             "client_name": "tiering",
         }
         if self.cluster:
-            return redis.cluster.RedisCluster.from_url(self._url, **options)
+            # A cluster that serves only some slots (``cluster-require-full-coverage
+            # no``, a master lost without a replica) is still a cluster to use.
+            return redis.cluster.RedisCluster.from_url(
+                self._url, require_full_coverage=False, **options
+            )
         return redis.Redis.from_url(self._url, **options)
 
     def client(self) -> Any:
@@ -257,6 +297,7 @@ class RedisWire:
             self._closed = True
             pools, self._pools = list(self._pools.values()), {}
             clients = [c for c in (self._slot_map, self._client) if c is not None]
+        self.nodes.close()
         for pool in pools:
             pool.close()
         for client in clients:
@@ -276,18 +317,21 @@ class RedisWire:
             if isinstance(reply, ErrorReply):
                 raise error_from_reply(reply)
         except (*e.any, *e.unavailable) as exc:
-            raise config_error(self.url, exc) from None
+            raise config_error(self.url, exc, self.address.password) from None
 
     # -- calls -------------------------------------------------------------------------
 
-    def run(self, work: Work[T], guard: Guard, rows: list[Row]) -> Answer[T]:
+    def run(
+        self, work: Work[T], guard: Guard, rows: list[Row], answer: Answer[T] | None = None
+    ) -> Answer[T]:
+        """Do ``work`` on ``rows``, in batches; fill ``answer`` (or a new one) and return it."""
         e = errors()
-        answer: Answer[T] = Answer(len(rows))
+        if answer is None:
+            answer = Answer(len(rows))
         try:
             self._setup()
-            if self.cluster and self._refresh_slots:
-                self._refresh_slots = False
-                self._slot_map.nodes_manager.initialize()
+            if self.cluster:
+                self._check_nodes(answer)
             for start in range(0, len(rows), self.max_batch):
                 batch = list(range(start, min(len(rows), start + self.max_batch)))
                 work(guard, answer, rows, batch)
@@ -312,40 +356,221 @@ class RedisWire:
         """One round trip per node: send each node its commands, then read every reply.
 
         A connection whose replies were not all read (or that read more) is
-        closed, never reused.
+        closed, never reused. On a cluster, a node that is down is skipped
+        (its rows in ``answer.node_down``), and one that fails takes only its
+        own rows with it.
         """
-        routes = self.route(rows, batch)
-        taken: list[tuple[ConnectionPool, Connection]] = []
-        read = 0  # connections whose every reply was read
+        routes: list[tuple[Node | None, ConnectionPool, list[int]]]
+        if not self.cluster:
+            routes = [(None, self._pool(self.address), batch)]
+        else:
+            routes = [
+                (where, self._pool(self.address.at(*where)), positions)
+                for where, positions in self.route(rows, batch, answer)
+            ]
+        e = errors()
+        taken: list[tuple[Node | None, Admission, ConnectionPool, Connection, list[int]]] = []
+        settled = 0  # connections whose every reply was read, or that failed
         try:
-            for pool, positions in routes:
-                connection = pool.get()
-                taken.append((pool, connection))
-                send(connection, positions)
-            answer.round_trips += len(routes)
-            for (_, connection), (_, positions) in zip(taken, routes, strict=True):
-                for position in positions:
-                    receive(connection, position)
-                read += 1
+            for node, pool, positions in routes:
+                admission = Admission.NORMAL if node is None else self.nodes.admit(node)
+                if admission is None:
+                    answer.node_down.extend(positions)
+                    continue
+                answer.stuck = node
+                try:
+                    connection = pool.get()
+                except e.unavailable as exc:
+                    if node is None:
+                        raise
+                    self._node_failed(answer, node, admission, positions, exc)
+                    continue
+                except BaseException:
+                    if node is not None:
+                        self.nodes.release(node, admission)
+                    raise
+                taken.append((node, admission, pool, connection, positions))
+                try:
+                    send(connection, positions)
+                except e.unavailable as exc:
+                    if node is None:
+                        raise
+                    connection.close()
+                    taken.pop()
+                    pool.release(connection)
+                    self._node_failed(answer, node, admission, positions, exc)
+            answer.stuck = None
+            answer.round_trips += len(taken)
+            for node, admission, _, connection, positions in taken:
+                answer.stuck = node
+                done = 0
+                try:
+                    for position in positions:
+                        receive(connection, position)
+                        done += 1
+                except e.unavailable as exc:
+                    if node is None:
+                        raise
+                    connection.close()
+                    self._node_failed(answer, node, admission, positions[done:], exc)
+                else:
+                    if node is not None and self.nodes.succeeded(node, admission):
+                        answer.nodes_back += 1
+                        logger.warning(
+                            "Redis tier at %s: node %s:%d answers again", self.url, *node
+                        )
+                settled += 1
+            answer.stuck = None
         finally:
-            for i, (pool, connection) in enumerate(taken):
-                if i >= read:
+            for i, (unsettled, admitted, pool, connection, _) in enumerate(taken):
+                if i >= settled:
                     connection.close()  # replies still due: out of step for good
+                    if unsettled is not None:
+                        self.nodes.release(unsettled, admitted)
                 pool.release(connection)  # kept only if in step (no byte read past the last)
 
-    def route(self, rows: list[Row], batch: list[int]) -> list[tuple[ConnectionPool, list[int]]]:
-        """(connection pool, positions) per node that holds ``rows[batch]``."""
-        if not self.cluster:
-            return [(self._pool(self.address), batch)]
-        groups: dict[tuple[str, int], tuple[ConnectionPool, list[int]]] = {}
+    def route(
+        self, rows: list[Row], batch: list[int], answer: Answer[Any]
+    ) -> list[tuple[Node, list[int]]]:
+        """(node, positions) per cluster node that holds ``rows[batch]``.
+
+        A row whose slot no node holds (``cluster-require-full-coverage no``)
+        goes in ``answer.node_down``.
+        """
+        groups: dict[Node, list[int]] = {}
+        uncovered = errors().rx.SlotNotCoveredError
         for position in batch:
-            node = self._slot_map.get_node_from_key(rows[position][1])
-            where = (str(node.host), int(node.port))
-            group = groups.get(where)
-            if group is None:
-                group = groups[where] = (self._pool(self.address.at(*where)), [])
-            group[1].append(position)
-        return list(groups.values())
+            try:
+                node = self._slot_map.get_node_from_key(rows[position][1])
+            except uncovered:
+                answer.node_down.append(position)
+                continue
+            groups.setdefault((str(node.host), int(node.port)), []).append(position)
+        return list(groups.items())
+
+    # -- the nodes of a cluster ------------------------------------------------------
+
+    def _check_nodes(self, answer: Answer[Any]) -> None:
+        """Before a call on a cluster: refresh a stale slot map, probe the nodes due a probe.
+
+        A probe is a ``CLUSTER INFO`` (`_ping`). A node that does not answer it,
+        or says it does not serve its slots, may have been failed
+        over: the slot map is refreshed then (``CLUSTER SLOTS``, once per call),
+        and a node that holds no slots any more is forgotten, its slots going
+        to the replica promoted in its place. The refresh follows the probe, so
+        a node that does not answer at all keeps a caller waiting once (the
+        probe, within the call's timeout), never twice.
+        """
+        if self._refresh_slots:
+            self._refresh_slots = False
+            self._refresh_map()
+        probes = self.nodes.take_due()
+        refreshed = False
+        e = errors()
+        for i, (node, admission) in enumerate(probes):
+            answer.stuck = node
+            try:
+                try:
+                    self._ping(node)
+                except e.unavailable as exc:
+                    if not refreshed:
+                        refreshed = True
+                        self._refresh_map()  # a replica may hold its slots now
+                    if node in self._masters:
+                        self._node_failed(answer, node, admission, [], exc)
+                else:
+                    if self.nodes.succeeded(node, admission):
+                        answer.nodes_back += 1
+                        logger.warning(
+                            "Redis tier at %s: node %s:%d answers again", self.url, *node
+                        )
+            except BaseException:
+                for later, theirs in probes[i:]:
+                    self.nodes.release(later, theirs)
+                raise
+            finally:
+                answer.stuck = None
+
+    def _ping(self, node: Node) -> None:
+        """Probe one node on a connection of the tier's own; redis-py's error if it fails.
+
+        ``CLUSTER INFO``, not PING: a master started again answers PING at once
+        but refuses every command (CLUSTERDOWN) until it has rejoined the
+        cluster; brought up on its PING, it would go down again on its first
+        keys, every probe (its backoff reset each time) until then.
+        """
+        pool = self._pool(self.address.at(*node))
+        connection = pool.get()
+        try:
+            reply = connection.command(b"CLUSTER", b"INFO")
+        finally:
+            pool.release(connection)
+        if isinstance(reply, ErrorReply):
+            error = error_from_reply(reply)
+            if isinstance(error, errors().permission):
+                return  # a user that may not run CLUSTER INFO: it answered, take it as up
+            raise error
+        if isinstance(reply, bytes | bytearray) and b"cluster_state:ok" not in reply:
+            raise errors().rx.ClusterDownError(
+                f"node {node[0]}:{node[1]} does not serve its slots yet (cluster_state:fail)"
+            )
+
+    def _refresh_map(self) -> None:
+        """Read the slot map again (redis-py: ``CLUSTER SLOTS``); forget nodes without slots."""
+        self._slot_map.nodes_manager.initialize()
+        self._masters = _masters(self._slot_map)
+        for node in self.nodes.retain(self._masters):
+            logger.warning(
+                "Redis tier at %s: node %s:%d holds no slots any more (failed over?)",
+                self.url,
+                *node,
+            )
+
+    def _node_failed(
+        self,
+        answer: Answer[Any],
+        node: Node,
+        admission: Admission,
+        positions: list[int],
+        exc: BaseException,
+    ) -> None:
+        """``node`` could not answer: its rows are unanswered, it goes down (backs off)."""
+        text = describe(exc)
+        answer.node_down.extend(positions)
+        answer.node_failures.append(
+            (f"{text} (node {node[0]}:{node[1]})", isinstance(exc, errors().timeout))
+        )
+        if self.nodes.failed(node, admission):  # its first probe refreshes the slot map
+            logger.warning(
+                "Redis tier at %s: node %s:%d is down (%s); its slots miss until it answers",
+                self.url,
+                node[0],
+                node[1],
+                text,
+            )
+
+    def node_timed_out(self, node: Node) -> bool:
+        """A call gave up waiting on ``node``: it goes down. True when that took it down.
+
+        Called from the event loop while the abandoned thread may still wait
+        on the node: the node's later failure there changes nothing more.
+        """
+        if not self.nodes.failed(node, Admission.NORMAL):
+            return False
+        logger.warning(
+            "Redis tier at %s: node %s:%d is down (no answer within %s s); its slots miss "
+            "until it answers",
+            self.url,
+            node[0],
+            node[1],
+            self.timeout_s,
+        )
+        return True
+
+    def nodes_down(self, *, waiting: bool = False) -> bool:
+        """On a cluster: whether every node that holds slots is down (``waiting``: and
+        none is due a probe yet). Always False on a standalone server."""
+        return bool(self.cluster) and self.nodes.all_down(self._masters, waiting=waiting)
 
     def accepted(self, answer: Answer[Any], connection: Connection, reply: Any) -> bool:
         """False (and the refusal counted) when ``reply`` is the server refusing a command."""
@@ -452,3 +677,9 @@ class RedisWire:
     def __repr__(self) -> str:
         kind = "cluster" if self.cluster else "standalone" if self.cluster is False else "?"
         return f"<RedisWire [{self.url}; {kind}; {len(self._pools)} pools]>"
+
+
+def _masters(slot_map: Any) -> frozenset[Node]:
+    """The nodes that hold slots in redis-py's slot map."""
+    cache = slot_map.nodes_manager.slots_cache
+    return frozenset((str(n[0].host), int(n[0].port)) for n in list(cache.values()) if n)
