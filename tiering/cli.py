@@ -20,6 +20,7 @@ import msgspec
 
 from tiering.config import DEFAULT_POLICY
 from tiering.errors import TieringError
+from tiering.events.config import DEFAULT_ENDPOINT as _EVENTS_ENDPOINT  # msgspec only
 from tiering.policies import POLICY_NAMES
 from tiering.simulate import (
     ALL_POLICIES,
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
     from tiering.engine import TieringEngine
     from tiering.metrics import MetricsServer
     from tiering.replay import ReplayResult, TierReport
+    from tiering.secondary.auth import AuthKey
 
 __all__ = ["main"]
 
@@ -57,6 +59,7 @@ _EXIT_USAGE = 2
 _TRACE_CAPACITY_TOKENS = (1_000_000, 3_000_000, 10_000_000)
 _TIERS = ("cpu", "disk")  # `tiering simulate --disk-tokens`'s tiers, in its table
 _METRICS_HOST = "127.0.0.1"
+_REMOTE_URL_ENV = "TIERING_REMOTE_URL"  # --remote-url-env without a name
 
 
 class _UsageError(Exception):
@@ -306,9 +309,10 @@ def build_parser() -> argparse.ArgumentParser:
         "or subscriber; needs --metrics-port or --events-endpoint)",
     )  # fmt: skip
     rep.add_argument(
-        "--events-endpoint", metavar="E",
-        help="publish KV cache events on this ZMQ endpoint (tcp://*:5557 binds; "
-        "tcp://127.0.0.1:* binds a free port)",
+        "--events-endpoint", metavar="E", nargs="?", const=_EVENTS_ENDPOINT,
+        help=f"publish KV cache events on this ZMQ endpoint (alone: {_EVENTS_ENDPOINT}, "
+        "bound on loopback; tcp://127.0.0.1:* binds a free port; tcp://*:5557 binds every "
+        "interface, with a warning: the stream is unauthenticated)",
     )  # fmt: skip
     rep.add_argument(
         "--replay-endpoint", metavar="E",
@@ -332,12 +336,30 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument(
         "--remote", metavar="URL",
         help="a shared tier below the CPU tier (and below the disk tier, with --disk): "
-        "redis://[user:password@]host:port[/db] or rediss://; a Redis Cluster is detected",
+        "redis://[user@]host:port[/db] or rediss://; a Redis Cluster is detected. A password "
+        "here is seen by every local user (ps): give it with --remote-password-file, or the "
+        "whole URL with --remote-url-env",
+    )  # fmt: skip
+    rep.add_argument(
+        "--remote-url-env", metavar="NAME", nargs="?", const=_REMOTE_URL_ENV,
+        help="the remote tier's URL, password included, from the environment variable NAME "
+        f"(default {_REMOTE_URL_ENV}); instead of --remote",
+    )  # fmt: skip
+    rep.add_argument(
+        "--remote-password-file", metavar="PATH",
+        help="the remote tier's password: the first line of the file PATH (a regular "
+        "file; the URL then holds none)",
     )  # fmt: skip
     rep.add_argument(
         "--remote-namespace", metavar="NS",
         help="share remote chunks only with engines of the same namespace (and model; "
-        "needs --remote)",
+        "needs --remote or --remote-url-env)",
+    )  # fmt: skip
+    rep.add_argument(
+        "--auth-key-file", metavar="PATH",
+        help="a secret shared by every engine of the disk and remote tiers: values are "
+        "written with a MAC under it and only values with a valid one are loaded (a regular "
+        "file of 16 or more bytes; else the variable TIERING_AUTH_KEY, if set)",
     )  # fmt: skip
     rep.add_argument("--json", action="store_true", help="print one JSON object")
     rep.set_defaults(run=_run_replay)
@@ -348,14 +370,17 @@ def build_parser() -> argparse.ArgumentParser:
         description="Subscribe to an engine's KV cache events and print them, one line "
         "each (a gap in the sequence is filled from the replay endpoint, or reported). "
         "One end must bind: a publisher binds an endpoint with '*' (tcp://*:5557) and "
-        "connects to any other, as does this command. Without a first event in --timeout "
-        "seconds it says why and exits with status 2.",
+        f"tiering's default {_EVENTS_ENDPOINT}, and connects to any other; this command "
+        "binds an endpoint with '*' and connects to any other. Without a first event in "
+        "--timeout seconds it says why and exits with status 2; a message that is not an "
+        "event batch is skipped and counted.",
     )
     ev.add_argument(
-        "endpoint",
-        help="the publisher's ZMQ endpoint, e.g. tcp://127.0.0.1:5557 (connects); "
-        "tcp://*:5557 binds, for a publisher that connects",
-    )
+        "endpoint", nargs="?", default=_EVENTS_ENDPOINT,
+        help=f"the publisher's ZMQ endpoint (default {_EVENTS_ENDPOINT}: connects, to a "
+        "publisher given --events-endpoint alone); tcp://*:5557 binds every interface, for "
+        "a publisher that connects",
+    )  # fmt: skip
     ev.add_argument(
         "--replay-endpoint", metavar="E",
         help="its replay endpoint: fills gaps, and first prints the history it still holds",
@@ -458,10 +483,24 @@ def _check_replay_flags(args: argparse.Namespace) -> None:
                 f"{flag} {value} sets the disk tier, and none was given: add --disk DIR, "
                 f"or drop {flag}"
             )
-    if args.remote_namespace is not None and args.remote is None:
+    remote = args.remote is not None or args.remote_url_env is not None
+    if args.remote is not None and args.remote_url_env is not None:
         raise _UsageError(
-            f"--remote-namespace {args.remote_namespace!r} names a namespace in a remote "
-            "tier, and none was given: add --remote URL, or drop --remote-namespace"
+            "--remote and --remote-url-env both give the remote tier's URL: give one of them"
+        )
+    for flag, value in (
+        ("--remote-namespace", args.remote_namespace),
+        ("--remote-password-file", args.remote_password_file),
+    ):
+        if value is not None and not remote:
+            raise _UsageError(
+                f"{flag} {value!r} is for a remote tier, and none was given: add --remote URL "
+                f"or --remote-url-env NAME, or drop {flag}"
+            )
+    if args.auth_key_file is not None and not remote and args.disk is None:
+        raise _UsageError(
+            f"--auth-key-file {args.auth_key_file!r} authenticates the values of a disk or "
+            "remote tier, and none was given: add --disk DIR or --remote URL, or drop it"
         )
 
 
@@ -489,7 +528,11 @@ def _run_replay(args: argparse.Namespace) -> None:
         disk_fsync=args.disk_fsync or "none",
         remote=args.remote,
         remote_namespace=args.remote_namespace or "",
+        remote_url_env=args.remote_url_env,
+        remote_password_file=args.remote_password_file,
+        auth_key=_auth_key(args),
     )
+    options.remote_url()  # an unset variable or a bad password file: now, not after a load
     result = run_replay(
         requests,
         options,
@@ -527,6 +570,15 @@ def _run_replay(args: argparse.Namespace) -> None:
         "loaded back from the tiers / all blocks; GB/s: over the copies' own time; "
         "1 GB = 10^9 bytes"
     )
+
+
+def _auth_key(args: argparse.Namespace) -> AuthKey | None:
+    """The key of --auth-key-file, else of $TIERING_AUTH_KEY, for a disk or remote tier."""
+    from tiering.secondary.auth import AuthKey as Key  # the secondary package: if used
+
+    if args.disk is None and args.remote is None and args.remote_url_env is None:
+        return None  # nothing to authenticate: an exported variable is not an error
+    return Key.load(args.auth_key_file)
 
 
 def _replay_against_simulate(r: ReplayResult, args: argparse.Namespace) -> str:
@@ -708,10 +760,11 @@ def _tier_summary(t: TierReport) -> str:
             text += f" (dropped {reasons})"
         text += "; "
     if t.chunks is not None and t.capacity_bytes:
-        text += (
-            f"holds {t.chunks:,} chunks, {format_bytes(t.used_bytes or 0)} of "
-            f"{format_bytes(t.capacity_bytes)}; "
-        )
+        of = format_bytes(t.capacity_bytes)
+        effective = t.effective_capacity_bytes
+        if effective is not None and effective != t.capacity_bytes:  # a small file system
+            of += f" configured, {format_bytes(effective)} effective (what its file system holds)"
+        text += f"holds {t.chunks:,} chunks, {format_bytes(t.used_bytes or 0)} of {of}; "
     text += (
         f"{t.hit_blocks:,} hit blocks, {format_bytes(t.read_bytes)} read, "
         f"{format_bytes(t.write_bytes)} written; "

@@ -45,6 +45,7 @@ from tiering.errors import CapacityError, ChunkStateError, ConfigError
 from tiering.events import KVEventsConfig
 from tiering.scheduler import JobHandle, JobOutcome, JobResult
 from tiering.secondary import RemoteNamespace, SecondaryTier
+from tiering.secondary.auth import AuthKey
 from tiering.secondary.disk import DiskTier, ScanResult
 from tiering.simulate import Progress, ProgressBar, requests_to_keys
 from tiering.specs import GPULoadStoreSpec
@@ -81,6 +82,12 @@ class ReplayOptions(msgspec.Struct, frozen=True, kw_only=True):
     disk_fsync: str = "none"  # what survives a power loss (DiskTier's fsync)
     remote: str | None = None  # a Redis URL: a shared tier below the CPU tier (and the disk)
     remote_namespace: str = ""  # only engines with equal namespaces share chunks
+    #: Or the name of an environment variable holding the URL (never both), and a
+    #: file whose first line is the password: no secret in argv or in this struct.
+    remote_url_env: str | None = None
+    remote_password_file: str | None = None
+    #: The disk and remote tiers' shared secret (`AuthKey`: its repr shows only its id).
+    auth_key: AuthKey | None = None
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.hold) and self.hold >= 0):
@@ -109,6 +116,53 @@ class ReplayOptions(msgspec.Struct, frozen=True, kw_only=True):
             )
         if self.disk_bytes is not None and self.disk_bytes < 1:
             raise ConfigError(f"disk-bytes must be positive, got {self.disk_bytes}")
+        if self.remote is not None and self.remote_url_env is not None:
+            raise ConfigError(
+                f"give the remote tier's URL once: remote ({self.redacted_remote!r}) or "
+                "remote_url_env (the name of a variable holding it), not both"
+            )
+        if self.remote_password_file is not None and not self.has_remote:
+            raise ConfigError(
+                f"remote_password_file {self.remote_password_file} is the remote tier's "
+                "password, and no remote tier was given: give remote or remote_url_env too"
+            )
+
+    def __repr__(self) -> str:  # as msgspec's, but never the remote tier's password
+        fields = ", ".join(
+            f"{name}={self.redacted_remote if name == 'remote' else getattr(self, name)!r}"
+            for name in self.__struct_fields__
+        )
+        return f"ReplayOptions({fields})"
+
+    def __rich_repr__(self) -> list[tuple[str, Any]]:  # as __repr__
+        return [
+            (name, self.redacted_remote if name == "remote" else getattr(self, name))
+            for name in self.__struct_fields__
+        ]
+
+    @property
+    def has_remote(self) -> bool:
+        """Whether a remote tier is asked for (by its URL or the variable holding it)."""
+        return self.remote is not None or self.remote_url_env is not None
+
+    @property
+    def redacted_remote(self) -> str | None:
+        """``remote`` without its password, as it may be shown."""
+        from tiering.secondary.redis.address import redact_url
+
+        return None if self.remote is None else redact_url(self.remote)
+
+    def remote_url(self) -> str | None:
+        """The remote tier's URL, with its password (read now from the environment and
+        the password file): for `RedisTier` only, never to be shown. `ConfigError` when
+        the variable is unset or the file unreadable; None without a remote tier."""
+        if not self.has_remote:
+            return None
+        from tiering.secondary.redis.address import resolve_url
+
+        return resolve_url(
+            self.remote, url_env=self.remote_url_env, password_file=self.remote_password_file
+        )
 
     @property
     def events(self) -> KVEventsConfig | None:
@@ -138,6 +192,9 @@ class TierReport(msgspec.Struct, frozen=True, kw_only=True):
     capacity_bytes: int | None = None
     found_at_open: int | None = None  # the disk tier: values a previous run left
     dropped_at_open: dict[str, int] = msgspec.field(default_factory=dict)
+    #: What it holds at most now: capacity_bytes (as configured), or less where its file
+    #: system holds less (the disk tier on a small file system).
+    effective_capacity_bytes: int | None = None
 
 
 class ReplayResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -461,6 +518,7 @@ def _tier_report(
         capacity_bytes=t.capacity_bytes,
         found_at_open=len(scan.values) if scan is not None else None,
         dropped_at_open=dict(scan.dropped) if scan is not None else {},
+        effective_capacity_bytes=t.effective_capacity_bytes,
     )
 
 
@@ -511,20 +569,32 @@ def _tiers(options: ReplayOptions) -> list[Callable[[RemoteNamespace], Secondary
                 options.disk_bytes,
                 fsync=options.disk_fsync,
                 policy=options.policy,
+                auth_key=options.auth_key,
             )
         )
-    if options.remote is not None:
+    remote = options.remote_url()
+    if remote is not None:
         from tiering.secondary.redis import RedisTier  # redis-py: only when used
 
-        tiers.append(functools.partial(RedisTier, options.remote))
+        def remote_tier(namespace: RemoteNamespace) -> SecondaryTier:
+            # not a partial: its repr would hold the URL
+            return RedisTier(remote, namespace, auth_key=options.auth_key)
+
+        tiers.append(remote_tier)
     return tiers
 
 
 def _disk_tier(
-    path: str, capacity_bytes: int, namespace: RemoteNamespace, *, fsync: str, policy: str
+    path: str,
+    capacity_bytes: int,
+    namespace: RemoteNamespace,
+    *,
+    fsync: str,
+    policy: str,
+    auth_key: AuthKey | None,
 ) -> DiskTier:
     """The disk tier of a replay: the CPU tier's policy, as `tiering simulate` models it."""
-    return DiskTier(path, capacity_bytes, namespace, fsync=fsync, policy=policy)
+    return DiskTier(path, capacity_bytes, namespace, fsync=fsync, policy=policy, auth_key=auth_key)
 
 
 def _row_bytes(config: OffloadingConfig, kv: torch.Tensor) -> int:

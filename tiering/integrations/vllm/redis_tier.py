@@ -3,7 +3,12 @@
 A ``secondary_tiers`` entry loads it::
 
     {"type": "RedisSecondaryTier", "module_path": "tiering.integrations.vllm",
-     "url": "redis://127.0.0.1:6379/0", "namespace": "prod", "timeout_s": 2.0}
+     "url_env": "TIERING_REMOTE_URL", "namespace": "prod", "timeout_s": 2.0}
+
+``url_env`` names the environment variable holding the URL (password included),
+or ``url`` gives a URL without a password and ``password_file`` the file whose
+first line is the password: vLLM logs ``--kv-transfer-config`` at startup, so
+the entry itself should hold no secret (a ``url`` with a password is warned of).
 
 What it adds to vLLM: a shared store whose values check themselves
 (`tiering.secondary.codec`: header, namespace digest, key and checksum, all
@@ -82,10 +87,12 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tiering._state import ResourceState
 from tiering.errors import ConfigError
+from tiering.secondary.auth import AuthKey
 from tiering.secondary.base import Locality as TierLocality
 from tiering.secondary.base import SecondaryStatistics, describe
 from tiering.secondary.codec import RemoteNamespace
 from tiering.secondary.redis import RedisTier, redact_url
+from tiering.secondary.redis.address import resolve_url
 
 __all__ = ["RedisSecondaryTier", "RedisSecondaryTierStatistics", "remote_namespace"]
 
@@ -151,10 +158,15 @@ class RedisSecondaryTier(SecondaryTierManager):
     """A vLLM ``SecondaryTierManager`` over tiering's `RedisTier` (see the module docstring).
 
     Entry keys (beside vLLM's ``type``, ``module_path`` and ``backpressure``):
-    ``url`` (required: ``redis://`` or ``rediss://``, as `RedisTier` takes it),
+    ``url_env`` (the name of an environment variable holding the URL) or ``url``
+    (``redis://`` or ``rediss://``, as `RedisTier` takes it), ``password_file``
+    (the password, read from a file's first line, for a URL that holds none),
     ``namespace`` (an operator's split of one store), ``ttl_s``, ``timeout_s``,
     ``connect_timeout_s``, ``cluster``, ``max_batch``, ``max_concurrency``,
     ``backoff_s`` (``[first, longest]``), ``checksum`` (``xxh3`` or ``ml64``),
+    ``auth_key_file`` (a file holding the secret shared by every engine of the
+    store: values are written with a MAC under it and only values with a valid
+    one are loaded; without it, the variable ``TIERING_AUTH_KEY`` if set),
     ``locality`` (``REMOTE`` or ``LOCAL``), ``max_lookups_in_flight``,
     ``max_store_jobs``, ``enable_kv_events`` (``BlockStored`` events for
     chunks written; Redis evicts and expires values on its own, so no removal
@@ -192,6 +204,13 @@ class RedisSecondaryTier(SecondaryTierManager):
         self._events: list[OffloadingEvent] | None = (
             [] if options.enable_kv_events and events_on else None
         )
+        if options.password_in_entry:
+            logger.warning(
+                "secondary tier %r: its 'url' holds a password, and vLLM logs "
+                "--kv-transfer-config at startup: give 'url_env' (an environment variable "
+                "holding the URL) or 'password_file' instead",
+                tier_type,
+            )
         try:
             self._tier = RedisTier(options.url, self.namespace, **options.redis)
         except ConfigError as exc:
@@ -628,12 +647,15 @@ class _Options:
     _INTEGERS = ("max_batch", "max_concurrency")
     _KNOWN = (
         "url",
+        "url_env",
+        "password_file",
         "namespace",
         *_NUMBERS,
         *_INTEGERS,
         "cluster",
         "backoff_s",
         "checksum",
+        "auth_key_file",
         "locality",
         "max_lookups_in_flight",
         "max_store_jobs",
@@ -649,16 +671,34 @@ class _Options:
                 f"{self._where}: unknown key(s) {', '.join(map(repr, unknown))}; "
                 f"it takes {', '.join(self._KNOWN)}"
             )
-        url = entry.get("url")
-        if not isinstance(url, str) or not url.startswith(("redis://", "rediss://")):
-            shown = "no url" if url is None else f"{type(url).__name__} {_shown(url)}"
-            if isinstance(url, str):  # never a password
-                shown = repr(redact_url(url))
+        url, url_env, password_file = (entry.get(k) for k in ("url", "url_env", "password_file"))
+        for key, value in (("url_env", url_env), ("password_file", password_file)):
+            if value is not None and not isinstance(value, str):
+                self._bad(key, value, "a string")
+        #: Whether the entry itself holds a password: vLLM logs the entry at startup.
+        self.password_in_entry = False
+        if url_env is None:
+            if not isinstance(url, str) or not url.startswith(("redis://", "rediss://")):
+                shown = "no url" if url is None else f"{type(url).__name__} {_shown(url)}"
+                if isinstance(url, str):  # never a password
+                    shown = repr(redact_url(url))
+                raise ConfigError(
+                    f"{self._where}: 'url' must be a Redis URL, redis://[user@]host"
+                    f"[:port][/db] or rediss://... for TLS (with 'password_file' for the "
+                    f"password), or 'url_env' the name of an environment variable holding "
+                    f"it; got {shown}"
+                )
+            self.password_in_entry = ":" in url.partition("://")[2].rpartition("@")[0]
+        try:
+            self.url = resolve_url(url, url_env=url_env, password_file=password_file)
+        except ConfigError as exc:
+            raise ConfigError(f"{self._where}: {exc}") from None
+        if not self.url.startswith(("redis://", "rediss://")):
             raise ConfigError(
-                f"{self._where}: 'url' must be a Redis URL, redis://[user[:password]@]host"
-                f"[:port][/db] or rediss://... for TLS, got {shown}"
+                f"{self._where}: the environment variable {url_env} must hold a Redis URL, "
+                f"redis://[user[:password]@]host[:port][/db] or rediss://..., got "
+                f"{redact_url(self.url)!r}"
             )
-        self.url = url
         namespace = entry.get("namespace", "")
         if not isinstance(namespace, str):
             self._bad("namespace", namespace, "a string (an operator's split of one store)")
@@ -695,6 +735,13 @@ class _Options:
             if not isinstance(checksum, str) or checksum.lower() not in ("xxh3", "ml64"):
                 self._bad("checksum", checksum, "'xxh3' or 'ml64'")
             self.redis["checksum"] = checksum
+        key_file = entry.get("auth_key_file")
+        if key_file is not None and not isinstance(key_file, str):
+            self._bad("auth_key_file", key_file, "the path of a file holding the key")
+        try:  # else $TIERING_AUTH_KEY, if set: no secret in the entry, which vLLM logs
+            self.redis["auth_key"] = AuthKey.load(key_file)
+        except ConfigError as exc:
+            raise ConfigError(f"{self._where}: 'auth_key_file': {exc}") from None
         locality = entry.get("locality") or "REMOTE"
         if not isinstance(locality, str) or locality.upper() not in ("LOCAL", "REMOTE"):
             self._bad("locality", locality, "'REMOTE' (shared with other engines) or 'LOCAL'")

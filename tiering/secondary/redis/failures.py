@@ -109,10 +109,13 @@ def error_from_reply(reply: ErrorReply) -> Any:
         return rx.ResponseError(text)
 
 
-def config_error(url: str, exc: BaseException) -> ConfigError:
-    """One line saying why the tier at ``url`` (no password) could not be opened."""
+def config_error(url: str, exc: BaseException, password: str | None = None) -> ConfigError:
+    """One line saying why the tier at ``url`` (no password) could not be opened; the
+    ``password``, should redis-py's text hold it, is hidden there too."""
     e = errors()
     text = describe(exc)
+    if password:
+        text = text.replace(password, "***")
     if isinstance(exc, e.auth) or any(w in str(exc) for w in _AUTH_WORDS):
         return ConfigError(
             f"cannot open the Redis tier at {url}: the server refused the user name or "
