@@ -420,7 +420,12 @@ class TieringEngine:
     # -- the scheduler side: sync and cheap -----------------------------------
 
     def lookup(self, keys: Sequence[OffloadKey]) -> PrefixLookup:
-        """How many of a request's chunks, from the head, are ready, then pending."""
+        """How many of a request's chunks, from the head, are ready, then pending.
+
+        `ResourceClosedError` unless the engine is open: a closed engine's pool
+        is released, so nothing it once held is ready.
+        """
+        self._check_open()
         lookup = self.manager.lookup
         ready = pending = 0
         for key in keys:
@@ -434,7 +439,9 @@ class TieringEngine:
         return PrefixLookup(ready, pending, len(keys) - ready - pending)
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
-        """Commit a finished request's recency, keys head first."""
+        """Commit a finished request's recency, keys head first (`ResourceClosedError`
+        unless the engine is open)."""
+        self._check_open()
         self.manager.touch(keys)
 
     # -- jobs -----------------------------------------------------------------

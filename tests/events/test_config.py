@@ -12,10 +12,11 @@ from tiering.errors import ConfigError
 from tiering.events import HashFormat, KVEventsConfig
 
 
-def test_defaults_are_vllms() -> None:
+def test_defaults_are_vllms_but_the_endpoint() -> None:
     config = KVEventsConfig()
     assert config == KVEventsConfig(
-        endpoint="tcp://*:5557",
+        endpoint="tcp://127.0.0.1:5557",  # vLLM's tcp://*:5557 binds every interface
+        bind=True,
         replay_endpoint=None,
         topic="",
         buffer_steps=10_000,

@@ -8,7 +8,9 @@ page a request starts from is checked (`FakeModel.verify`).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
 
 import pytest
 
@@ -19,7 +21,7 @@ from vllm.v1.kv_offload.base import LookupResult, ReqContext
 from tiering.errors import ConfigError
 from tiering.integrations.vllm import RedisSecondaryTier
 from tiering.integrations.vllm.cascade import CascadeMetrics
-from tiering.transfer.memory import SHM_DIR
+from tiering.transfer.memory import SHM_DIR, SHM_NAME_PATTERN, shm_file_name
 
 from ..secondary import conftest as secondary
 from .harness import Engine, attention_spec, build_engine, tiering_extra, write_model
@@ -121,8 +123,10 @@ def test_redis_killed_mid_run_costs_only_the_hits_and_is_counted(model, own_redi
 
 
 def shared_files(engine: Engine) -> list[str]:
+    """The engine's files in /dev/shm: ``tiering-<pid>-<tag>-row<row bytes>``."""
     spec = engine.model.connector.connector_worker.spec
-    return [name for name in os.listdir(SHM_DIR) if name.startswith(f"{spec.shm_name}-row")]
+    names = [(name, SHM_NAME_PATTERN.fullmatch(name)) for name in os.listdir(SHM_DIR)]
+    return [n for n, m in names if m and m["tag"].startswith(f"{spec.shm_name}-row")]
 
 
 def test_the_shared_rows_are_unnamed_once_mapped_and_unmapped_at_shutdown(model, redis_server):
@@ -140,10 +144,13 @@ def test_the_shared_rows_are_unnamed_once_mapped_and_unmapped_at_shutdown(model,
     assert pool.closed
 
 
-def test_a_file_left_by_an_earlier_engine_is_one_config_error(model, redis_server):
-    engine = build_engine(
-        model, tiering_extra(32 * CHUNK, secondary_tiers=[entry(redis_server.url)])
-    )
+def _dead_pid() -> int:
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
+def _tag_of(engine: Engine) -> str:
     from types import SimpleNamespace
 
     from tiering.integrations.vllm.spec import _shm_name
@@ -152,14 +159,57 @@ def test_a_file_left_by_an_earlier_engine_is_one_config_error(model, redis_serve
         engine_id=engine.vllm_config.kv_transfer_config.engine_id,
         parallel=SimpleNamespace(rank=0),
     )
-    stale = os.path.join(SHM_DIR, f"{_shm_name(config)}-row16384")
-    with open(stale, "wb"):
+    return _shm_name(config)
+
+
+def test_a_file_left_by_a_killed_engine_is_swept_at_the_next_start(model, redis_server):
+    """Before: a file a killed worker left stayed in /dev/shm (its RAM held until a reboot)
+    and the next start with that engine_id failed; now the next start removes it."""
+    engine = build_engine(
+        model, tiering_extra(32 * CHUNK, secondary_tiers=[entry(redis_server.url)])
+    )
+    stale = os.path.join(SHM_DIR, shm_file_name(f"{_tag_of(engine)}-row16384", _dead_pid()))
+    with open(stale, "wb") as f:
+        f.write(b"\0" * 4096)
+    try:
+        engine.attach_model()
+        assert not os.path.exists(stale)  # swept by the worker's start
+        assert len(shared_files(engine)) == 1  # its own, named after its pid
+        assert shared_files(engine)[0].startswith(f"tiering-{os.getpid()}-")
+        assert run(engine, PROMPT_A) == 0
+        assert engine.manager.link.secondary is not None  # the scheduler mapped its rows
+        assert shared_files(engine) == []
+    finally:
+        engine.scheduler.shutdown()
+        engine.model.connector.shutdown()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(stale)
+
+
+def test_a_file_of_a_live_engine_with_the_same_id_is_kept_and_named(model, redis_server, caplog):
+    engine = build_engine(
+        model, tiering_extra(32 * CHUNK, secondary_tiers=[entry(redis_server.url)])
+    )
+    other = os.getppid()  # alive: its file is not this engine's to remove
+    live = os.path.join(SHM_DIR, shm_file_name(f"{_tag_of(engine)}-row16384", other))
+    with open(live, "wb"):
         pass
     try:
-        with pytest.raises(ConfigError, match="did not stop cleanly"):
-            engine.attach_model()
+        engine.attach_model()
+        assert run(engine, PROMPT_A) == 0  # the CPU tier serves on, without the tier below
+        assert os.path.exists(live)
+        assert engine.manager.link.unavailable
+        messages = [r.getMessage() for r in caplog.records if "cannot be built" in r.message]
+        assert messages
+        errors = [r.exc_info[1] for r in caplog.records if r.exc_info]
+        assert any(
+            isinstance(e, ConfigError) and "two engines run with the same engine_id" in str(e)
+            for e in errors
+        )
     finally:
-        os.unlink(stale)
+        engine.scheduler.shutdown()
+        engine.model.connector.shutdown()
+        os.unlink(live)
 
 
 def test_until_vllm_reports_the_reset_flushed_nothing_is_promoted_or_written(model, redis_server):

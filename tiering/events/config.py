@@ -1,7 +1,13 @@
 """Settings of the KV event stream: the ZMQ publisher's sockets and buffers, and the hash form.
 
-`KVEventsConfig` mirrors vLLM's ``KVEventsConfig`` (same names, same
-defaults) so a server can pass its own values through. It is checked in
+`KVEventsConfig` mirrors vLLM's ``KVEventsConfig`` (same names, and vLLM's
+rule for which side binds) so a server can pass its own values through; one
+default differs on purpose. vLLM's endpoint ``tcp://*:5557`` binds every
+interface, and the stream has no authentication: anyone who reaches the port
+reads every block hash (and, self-describing, every token id). Tiering's
+default, `DEFAULT_ENDPOINT`, binds the same port on loopback only; a
+publisher that binds every interface (`binds_every_interface`) logs one
+warning line saying so. It is checked in
 ``__post_init__``: a record that exists is a possible one, and a bad value
 raises a `ConfigError` that names the field, the value and what would do. A
 ``tcp://`` endpoint must name ``host:port`` with a port in 1-65535 or ``*``
@@ -20,10 +26,13 @@ from tiering.errors import ConfigError
 
 __all__ = [
     "ANY_HOSTS",
+    "DEFAULT_ENDPOINT",
     "ZMQ_TRANSPORTS",
     "HashFormat",
     "KVEventsConfig",
+    "binds_every_interface",
     "check_endpoint",
+    "loopback_of",
     "offset_endpoint",
     "tcp_address",
     "wildcard_of",
@@ -43,6 +52,9 @@ class HashFormat(enum.StrEnum):
 #: Hosts that stand for every interface of the machine: a bind there takes all of them.
 ANY_HOSTS = frozenset({"*", "0.0.0.0", "::", "[::]"})
 
+#: Tiering's default PUB endpoint: bound (``KVEventsConfig.bind``), on loopback only.
+DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
+
 
 def tcp_address(endpoint: str) -> tuple[str, str] | None:
     """``(host, port)`` of a ``tcp://[source;]host:port`` endpoint (an IPv6 host keeps its
@@ -52,6 +64,23 @@ def tcp_address(endpoint: str) -> tuple[str, str] | None:
     address = endpoint[len("tcp://") :].rpartition(";")[2]  # after an optional source
     host, sep, port = address.rpartition(":")
     return (host, port) if sep else None
+
+
+def binds_every_interface(endpoint: str) -> bool:
+    """Whether binding ``endpoint`` takes every interface of the machine (a ``tcp://``
+    host in `ANY_HOSTS`): then anyone who can reach the port can use the socket."""
+    address = tcp_address(endpoint)
+    return address is not None and address[0] in ANY_HOSTS
+
+
+def loopback_of(endpoint: str) -> str:
+    """``endpoint`` with an every-interface host (`ANY_HOSTS`) as loopback, same port:
+    where a local peer reaches a socket bound there, or where to bind it privately."""
+    address = tcp_address(endpoint)
+    if address is None or address[0] not in ANY_HOSTS:
+        return endpoint
+    host = "[::1]" if ":" in address[0] else "127.0.0.1"
+    return f"tcp://{host}:{address[1]}"
 
 
 def wildcard_of(endpoint: str) -> str | None:
@@ -147,8 +176,12 @@ def _check_count(name: str, value: object, minimum: int, meaning: str) -> None:
 class KVEventsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Where and how the ZMQ publisher sends KV event batches.
 
-    - ``endpoint``: the PUB socket. Bound when it has a ``*`` wildcard or a
-      ``::`` address, or is ``ipc://`` or ``inproc://``; connected otherwise.
+    - ``endpoint``: the PUB socket (default `DEFAULT_ENDPOINT`, loopback).
+    - ``bind``: whether the PUB socket binds ``endpoint`` (True) or connects
+      to it (False). None (what vLLM's config gives): vLLM's rule, bound when
+      it has a ``*`` wildcard or a ``::`` address, or is ``ipc://`` or
+      ``inproc://``, connected otherwise. The default endpoint left with None
+      is bound (True): ``bind=False`` connects there instead.
     - ``replay_endpoint``: an optional ROUTER socket (always bound) that
       resends buffered batches from a requested sequence number.
     - ``topic``: the first frame of every message; subscribers filter on it.
@@ -160,16 +193,24 @@ class KVEventsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     - ``hash_format``: ``"int"`` (vLLM's default) or ``"bytes"``.
     """
 
-    endpoint: str = "tcp://*:5557"
+    endpoint: str = DEFAULT_ENDPOINT
     replay_endpoint: str | None = None
     topic: str = ""
     buffer_steps: int = 10_000
     hwm: int = 100_000
     max_queue_size: int = 100_000
     hash_format: HashFormat = HashFormat.INT
+    bind: bool | None = None
 
     def __post_init__(self) -> None:
         check_endpoint("KVEventsConfig.endpoint", self.endpoint)
+        if self.bind is not None and not isinstance(self.bind, bool):
+            raise ConfigError(
+                "KVEventsConfig.bind must be true (bind the endpoint), false (connect to it) "
+                f"or null (vLLM's rule), got {self.bind!r}"
+            )
+        if self.bind is None and self.endpoint == DEFAULT_ENDPOINT:
+            msgspec.structs.force_setattr(self, "bind", True)  # loopback: nothing to connect to
         if self.replay_endpoint is not None:
             check_endpoint("KVEventsConfig.replay_endpoint", self.replay_endpoint)
             if _same_address(self.endpoint, self.replay_endpoint):

@@ -31,7 +31,9 @@ a rank keeps it).
 
 Binding or connecting: the PUB socket binds an endpoint with a ``*`` wildcard
 (and ``::``, ``ipc://``, ``inproc://``) and connects to any other, as vLLM
-does; `binds` says which. A connecting PUB socket with no subscriber bound
+does, unless ``KVEventsConfig.bind`` says which (tiering's default endpoint
+binds loopback); `binds` says which. A socket bound on every interface logs one
+warning: the stream has no authentication. A connecting PUB socket with no subscriber bound
 there loses every batch without an error, and its subscribers, which connect
 too, never meet it. So a connecting publisher watches its socket's connection
 events (`PeerMonitor`, read by the sender thread's poller: no thread, no cost
@@ -63,7 +65,13 @@ import zmq
 from tiering._state import ResourceState
 from tiering.errors import ConfigError, ResourceClosedError
 from tiering.events.bus import SinkStatistics
-from tiering.events.config import KVEventsConfig, offset_endpoint, wildcard_of
+from tiering.events.config import (
+    DEFAULT_ENDPOINT,
+    KVEventsConfig,
+    binds_every_interface,
+    offset_endpoint,
+    wildcard_of,
+)
 from tiering.events.monitor import PeerEvent, PeerMonitor
 from tiering.events.schema import KVEventBatch
 
@@ -156,7 +164,7 @@ class ZmqEventPublisher:
 
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._pub = ctx.socket(zmq.PUB)
-        self._binds = should_bind(endpoint)
+        self._binds = should_bind(endpoint) if config.bind is None else config.bind
         self._warned = False
         # Before connecting, so that no connection event is missed.
         self._peers = None if self._binds else PeerMonitor(self._pub, frozenset(PeerEvent))
@@ -168,7 +176,7 @@ class ZmqEventPublisher:
             self._pub.setsockopt(zmq.SNDHWM, config.hwm)
             if not self._binds:  # before connecting: the setting applies to new connections
                 self._pub.setsockopt(zmq.HANDSHAKE_IVL, _HANDSHAKE_IVL_MS)
-            self._endpoint = self._attach(self._pub, "endpoint", endpoint)
+            self._endpoint = self._attach(self._pub, "endpoint", endpoint, bind=self._binds)
             self._replay_endpoint: str | None = None
             if replay_endpoint is not None:
                 self._replay = ctx.socket(zmq.ROUTER)
@@ -179,6 +187,20 @@ class ZmqEventPublisher:
                 )
             self._wake_rx.bind(wake)
             self._wake_tx.connect(wake)
+            bound = [self._endpoint] if self._binds else []
+            bound += [self._replay_endpoint] if self._replay_endpoint is not None else []
+            everywhere = [e for e in bound if binds_every_interface(e)]
+            if everywhere:  # one line per publisher, whatever it bound
+                logger.warning(
+                    "KV cache events: bound %s on every interface; the stream is "
+                    "unauthenticated: anyone who reaches the port reads every block hash%s. "
+                    "Bind loopback or a private address instead: tiering's default %s, "
+                    "tcp://127.0.0.1:* (a free port), or any address with "
+                    "KVEventsConfig(bind=True)",
+                    " and ".join(everywhere),
+                    " and can ask for replays" if self._replay_endpoint in everywhere else "",
+                    DEFAULT_ENDPOINT,
+                )
         except BaseException:
             if self._peers is not None:
                 self._peers.close()

@@ -16,9 +16,13 @@ one, yields the replayed batches, and keeps the live one until the replay ends
 (``END_SEQ``); a replayed or live batch it already yielded is skipped. A range
 the replay no longer holds, no replay socket, or a replay that does not answer
 within ``replay_timeout`` seconds is reported as a `Gap`. A message that is not
-a batch raises `EventSchemaError` from that step; iteration can go on after it. With ``start_seq``
-the client first replays from that number, so a late joiner sees the history
-still buffered, then goes live. Batches lost at the end of a burst have no
+a batch (wrong frames, a payload that does not decode as a `KVEventBatch`) is
+skipped and counted (``malformed_total``; the first one logs one warning): one
+bad message never ends the stream, and its sequence number, where it is the
+one expected, is taken, so it is not reported again as a gap (a number further
+ahead is not trusted: no gap is reported for it, no later batch dropped).
+With ``start_seq`` the client first replays from that number, so a late
+joiner sees the history still buffered, then goes live. Batches lost at the end of a burst have no
 later batch to reveal them, so after ``idle_replay`` seconds without a live
 batch the client also asks the replay socket for anything newer (one small
 request per interval while the stream is quiet). Iteration survives cancellation: a replay in
@@ -27,13 +31,15 @@ again from 0) is not detected: its batches look like duplicates.
 
 The SUB socket connects to its endpoint, unless the endpoint has a ``*``
 wildcard (``tcp://*:5557``): then it binds it, for a publisher that connects
-(one given a concrete host, by vLLM's rule). `has_publisher` says whether a
-publisher has been met at all, from the socket's connection events: a quiet
-stream and an endpoint nobody serves look the same otherwise.
+(one given a concrete host, by vLLM's rule); bound on every interface, it logs
+one warning (anyone who reaches the port can publish into it). `has_publisher`
+says whether a publisher has been met at all, from the socket's connection
+events: a quiet stream and an endpoint nobody serves look the same otherwise.
 """
 
 from __future__ import annotations
 
+import logging
 import socket
 from collections import deque
 
@@ -45,10 +51,12 @@ from anyio.abc import AsyncResource
 
 from tiering._state import ResourceState
 from tiering.errors import ConfigError, ResourceClosedError
-from tiering.events.config import check_endpoint
+from tiering.events.config import DEFAULT_ENDPOINT, binds_every_interface, check_endpoint
 from tiering.events.monitor import PeerEvent, PeerMonitor
 from tiering.events.publisher import END_SEQ
 from tiering.events.schema import EventItem, EventSchemaError, Gap, SequencedBatch, decode_batch
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["SubscriberState", "SubscriberStatistics", "ZmqSubscriber"]
 
@@ -62,6 +70,7 @@ class SubscriberStatistics(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     gaps_total: int  # Gap items yielded
     missing_total: int  # batches those gaps cover
     replay_requests_total: int
+    malformed_total: int = 0  # live or replayed messages skipped: not a batch
 
 
 #: The subscriber's state (the one lifecycle of `tiering._state`).
@@ -144,6 +153,15 @@ class ZmqSubscriber(AsyncResource):
             if self._binds:
                 self._sub.bind(endpoint)
                 self._endpoint = bytes(self._sub.getsockopt(zmq.LAST_ENDPOINT)).decode()
+                if binds_every_interface(endpoint):
+                    logger.warning(
+                        "KV cache events: bound %s on every interface; the stream is "
+                        "unauthenticated: anyone who reaches the port can publish events here. "
+                        "Bind loopback instead (tcp://127.0.0.1:*), or let the publisher bind "
+                        "(tiering's default %s) and connect to it",
+                        self._endpoint,
+                        DEFAULT_ENDPOINT,
+                    )
             else:
                 self._sub.connect(endpoint)
         except zmq.ZMQError as exc:
@@ -169,6 +187,7 @@ class ZmqSubscriber(AsyncResource):
         self._gaps = 0
         self._missing = 0
         self._requests = 0
+        self._malformed = 0
 
     def _new_dealer(self, endpoint: str) -> zmq.Socket[bytes]:
         dealer = self._ctx.socket(zmq.DEALER)
@@ -222,6 +241,7 @@ class ZmqSubscriber(AsyncResource):
             gaps_total=self._gaps,
             missing_total=self._missing,
             replay_requests_total=self._requests,
+            malformed_total=self._malformed,
         )
 
     def __aiter__(self) -> ZmqSubscriber:
@@ -268,12 +288,23 @@ class ZmqSubscriber(AsyncResource):
         self._request_replay(expected)
         return None
 
+    def _skip(self, why: str) -> None:
+        """Count a message that is not a batch; the first one is logged (one line)."""
+        self._malformed += 1
+        if self._malformed == 1:
+            logger.warning(
+                "KV cache events: skipped a malformed message (%s); the stream goes on, and "
+                "later ones are only counted (malformed_total)",
+                why,
+            )
+
     def _on_live(self, frames: list[bytes]) -> None:
         if len(frames) != 3 or len(frames[1]) != 8:
-            raise EventSchemaError(
+            self._skip(
                 f"expected [topic, seq (8 bytes), payload] from {self._endpoint!r}, "
                 f"got {len(frames)} frames"
             )
+            return
         self._received += 1
         seq = int.from_bytes(frames[1], "big")
         expected = self._expected
@@ -289,14 +320,21 @@ class ZmqSubscriber(AsyncResource):
         if expected is not None and seq < expected:
             self._duplicates += 1
             return False
+        try:
+            batch = decode_batch(payload)
+        except EventSchemaError as exc:
+            # Skipped, not retried. Its number is taken only where it is the one expected
+            # (no false gap for it): a message this corrupt may carry any number, and one
+            # far ahead would report a gap of it and drop every later batch as a duplicate.
+            if expected is not None and seq == expected:
+                self._expected = seq + 1
+            self._skip(f"batch {seq} from {self._endpoint!r}: {exc}")
+            return False
         if expected is not None and seq > expected:
             self._report_gap(expected, seq - 1)
-        self._deliver(seq, payload)
+        self._expected = seq + 1
+        self._pending.append(SequencedBatch(seq, batch))
         return True
-
-    def _deliver(self, seq: int, payload: bytes) -> None:
-        self._expected = seq + 1  # first: a payload that does not decode is skipped, not retried
-        self._pending.append(SequencedBatch(seq, decode_batch(payload)))
 
     def _report_gap(self, first: int, last: int) -> None:
         self._pending.append(Gap(first, last))
@@ -324,11 +362,12 @@ class ZmqSubscriber(AsyncResource):
             self._dealer = self._new_dealer(self._replay_endpoint)
             self._end_replay()
             return
-        if len(frames) != 4 or frames[0]:
-            raise EventSchemaError(
-                f"expected [b'', topic, seq, payload] from replay endpoint "
+        if len(frames) != 4 or frames[0] or len(frames[2]) != 8:
+            self._skip(
+                f"expected [b'', topic, seq (8 bytes), payload] from replay endpoint "
                 f"{self._replay_endpoint!r}, got {len(frames)} frames"
             )
+            return
         if frames[2] == END_SEQ:
             self._end_replay()
         elif self._accept(int.from_bytes(frames[2], "big"), frames[3]):
@@ -370,5 +409,6 @@ class ZmqSubscriber(AsyncResource):
     def __repr__(self) -> str:
         return (
             f"<ZmqSubscriber [{self._state.value}; {self._endpoint}, next seq {self._expected}, "
-            f"{self._received} received, {self._replayed} replayed, {self._gaps} gaps]>"
+            f"{self._received} received, {self._replayed} replayed, {self._gaps} gaps, "
+            f"{self._malformed} malformed]>"
         )

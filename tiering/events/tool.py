@@ -21,7 +21,7 @@ from typing import Any, TextIO
 import anyio
 import msgspec
 
-from tiering.events.config import ANY_HOSTS, tcp_address, wildcard_of
+from tiering.events.config import DEFAULT_ENDPOINT, loopback_of, wildcard_of
 from tiering.events.schema import (
     AllBlocksCleared,
     BlockHash,
@@ -33,7 +33,7 @@ from tiering.events.schema import (
 )
 from tiering.events.subscriber import ZmqSubscriber
 
-__all__ = ["format_event", "print_events", "silence_message", "waiting_line"]
+__all__ = ["format_event", "print_events", "silence_message", "skipped_line", "waiting_line"]
 
 
 async def print_events(
@@ -55,31 +55,55 @@ async def print_events(
     on ``status`` says so and what it waits for. Without a first batch (or
     gap) within ``first_timeout`` seconds (None: no limit) it raises
     `TimeoutError`, whose one-line message says whether a publisher was met
-    and how to fix the endpoints.
+    and how to fix the endpoints. A message that is not a batch is skipped
+    (the subscriber logs the first one); at the end, however it ends, one line
+    on ``status`` says how many were skipped, if any.
     """
-    printed = 0
     if limit is not None and limit <= 0:
-        return printed
+        return 0
     start = 0 if replay_endpoint is not None else None
     async with ZmqSubscriber(endpoint, replay_endpoint, start_seq=start) as subscriber:
         if status is not None:
             status.write(waiting_line(subscriber, first_timeout) + "\n")
             status.flush()
-        item = await _first(subscriber, first_timeout)
-        while item is not None:  # None: closed
-            if isinstance(item, Gap):
-                out.write(_gap_json(item) if json_lines else _gap_text(item))
+        try:
+            return await _print(subscriber, json_lines, out, limit, first_timeout)
+        finally:
+            skipped = subscriber.statistics().malformed_total
+            if status is not None and skipped:
+                status.write(skipped_line(skipped) + "\n")
+                status.flush()
+
+
+def skipped_line(skipped: int) -> str:
+    """The summary of ``skipped`` malformed messages (one line)."""
+    were = "message that was" if skipped == 1 else "messages that were"
+    return f"tiering events: skipped {skipped} malformed {were} not KV event batches"
+
+
+async def _print(
+    subscriber: ZmqSubscriber,
+    json_lines: bool,
+    out: TextIO,
+    limit: int | None,
+    first_timeout: float | None,
+) -> int:
+    printed = 0
+    item = await _first(subscriber, first_timeout)
+    while item is not None:  # None: closed
+        if isinstance(item, Gap):
+            out.write(_gap_json(item) if json_lines else _gap_text(item))
+            out.write("\n")
+        else:
+            for event in item.batch.events:
+                out.write(format_event(item, event, json_lines))
                 out.write("\n")
-            else:
-                for event in item.batch.events:
-                    out.write(format_event(item, event, json_lines))
-                    out.write("\n")
-                    printed += 1
-                    if printed == limit:
-                        out.flush()
-                        return printed
-            out.flush()
-            item = await anext(subscriber, None)
+                printed += 1
+                if printed == limit:
+                    out.flush()
+                    return printed
+        out.flush()
+        item = await anext(subscriber, None)
     return printed
 
 
@@ -99,9 +123,9 @@ def waiting_line(subscriber: ZmqSubscriber, first_timeout: float | None) -> str:
     if subscriber.binds:
         return (
             f"tiering events: bound {endpoint}; waiting for a publisher that connects to it "
-            f"(e.g. --events-endpoint {_reachable(endpoint)}), {limit}"
+            f"(e.g. --events-endpoint {loopback_of(endpoint)}), {limit}"
         )
-    wild = wildcard_of(endpoint)
+    wild = DEFAULT_ENDPOINT if endpoint == DEFAULT_ENDPOINT else wildcard_of(endpoint)
     example = f" (e.g. --events-endpoint {wild})" if wild is not None else ""
     return (
         f"tiering events: connecting to {endpoint}; waiting for a publisher that binds "
@@ -122,7 +146,12 @@ def silence_message(subscriber: ZmqSubscriber, seconds: float) -> str:
     if subscriber.binds:
         return (
             f"{after}: no publisher connected to it, so nothing publishes here; start one "
-            f"that connects here (e.g. --events-endpoint {_reachable(endpoint)}); {forever}"
+            f"that connects here (e.g. --events-endpoint {loopback_of(endpoint)}); {forever}"
+        )
+    if endpoint == DEFAULT_ENDPOINT:  # tiering's default: a publisher binds it on loopback
+        return (
+            f"{after}: no publisher accepted the connection, so nothing publishes there; "
+            f"start one with --events-endpoint alone (it binds {endpoint}); {forever}"
         )
     wild = wildcard_of(endpoint)
     if wild is None:
@@ -136,17 +165,6 @@ def silence_message(subscriber: ZmqSubscriber, seconds: float) -> str:
         f"as this command does: start it with --events-endpoint {wild}, or, for one that "
         f"connects to {endpoint}, bind here instead: tiering events {wild}; {forever}"
     )
-
-
-def _reachable(bound: str) -> str:
-    """A bound tcp address as a publisher would connect to it: a wildcard host as loopback."""
-    address = tcp_address(bound)
-    if address is None:
-        return bound
-    host, port = address
-    if host in ANY_HOSTS:
-        host = "[::1]" if ":" in host else "127.0.0.1"
-    return f"tcp://{host}:{port}"
 
 
 def format_event(item: SequencedBatch, event: KVEvent, json_lines: bool) -> str:

@@ -10,6 +10,24 @@ DMA is the CUDA backend's business (``cudaHostRegister`` over this region).
 Pages are touched lazily unless ``populate=True``; `resident_bytes` reports
 how much of the pool is in RAM right now (``mincore``), so "the pool costs its
 size, not twice it" can be checked.
+
+Shared pools are never left behind. A file in ``/dev/shm`` outlives a process
+killed before it removed it (SIGKILL, OOM, a crash before the other process
+mapped it and removed the name), and holds its size of RAM until a reboot. So
+tiering names its shared files ``tiering-<pid>-<tag>`` (`shm_file_name`,
+`SHM_NAME_PATTERN`), ``<pid>`` the process that made it, created 0600; and
+every new shared pool first sweeps (`sweep_stale_pools`) the files of that
+pattern whose process no longer lives. It removes only what it can tell is
+tiering's and dead: a name of that pattern, a regular file (``lstat`` through
+the folder's descriptor, no link followed), owned by this user, whose pid
+``kill(pid, 0)`` answers "no such process" (``EPERM``: alive, another user's),
+and that no process maps: its creator takes a shared ``flock`` on it, which
+lasts as long as a mapping does, and the sweep removes only a file whose
+exclusive lock it gets at once. A pid reused by a new process keeps its file
+until that one ends too. A ``/dev/shm`` shared by processes of different pid
+namespaces (containers run with ``--ipc=host``) cannot tell their pids apart:
+the lock keeps a live process's file from a sweep there, but a file left by a
+process of another namespace whose pid lives here waits for that pid to end.
 """
 
 from __future__ import annotations
@@ -17,9 +35,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import errno
+import fcntl
 import logging
 import mmap
 import os
+import re
+import stat
 import sys
 import threading
 
@@ -28,14 +50,129 @@ import numpy as np
 import torch
 
 from tiering._state import ResourceState
-from tiering.errors import CapacityError, ResourceClosedError
+from tiering.errors import CapacityError, ConfigError, ResourceClosedError
 
-__all__ = ["HostMemoryPool", "PoolStatistics", "available_host_bytes"]
+__all__ = [
+    "SHM_NAME_PATTERN",
+    "HostMemoryPool",
+    "PoolStatistics",
+    "SweepResult",
+    "available_host_bytes",
+    "shm_file_name",
+    "sweep_stale_pools",
+]
 
 logger = logging.getLogger(__name__)
 
 PAGE_SIZE = mmap.PAGESIZE
 SHM_DIR = "/dev/shm"
+#: The name of every shared pool file tiering makes: ``tiering-<pid>-<tag>``.
+SHM_NAME_PATTERN = re.compile(r"tiering-(?P<pid>[1-9][0-9]{0,9})-(?P<tag>[^/]+)")
+
+
+def shm_file_name(tag: str, pid: int | None = None) -> str:
+    """The shared pool file name of ``tag`` made by process ``pid`` (default: this one)."""
+    name = f"tiering-{os.getpid() if pid is None else pid}-{tag}"
+    if not tag or SHM_NAME_PATTERN.fullmatch(name) is None:
+        raise CapacityError(f"a shared pool's tag must be a non-empty file name, got {tag!r}")
+    return name
+
+
+class SweepResult(msgspec.Struct, frozen=True, kw_only=True):
+    """What `sweep_stale_pools` did: the names it removed, and those it could not."""
+
+    removed: tuple[str, ...] = ()
+    failed: tuple[str, ...] = ()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, as another user's process
+        return True
+    except (OverflowError, ValueError):  # beyond any pid: not a name tiering made
+        return True
+    return True
+
+
+def _mapped(name: str, dir_fd: int, st: os.stat_result) -> bool:
+    """Whether a process still holds the pool file ``name`` (``st``): its creator's
+    shared lock, which lasts as long as a mapping of it does. Unknown (it cannot be
+    opened, or is another file now) counts as held: the file is left alone."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(name, flags, dir_fd=dir_fd)
+    except OSError:
+        return True
+    try:
+        now = os.fstat(fd)
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+            return True
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free: nothing maps it
+    except OSError:  # BlockingIOError: held
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def sweep_stale_pools(shm_dir: str = SHM_DIR) -> SweepResult:
+    """Remove the shared pool files of processes that no longer live (see the module note).
+
+    Only names of `SHM_NAME_PATTERN`, regular files (never through a link),
+    owned by this user, of a pid with no process. Each removal is logged; a
+    file that cannot be removed is logged as a warning and returned in
+    ``failed``. Returns at once where ``shm_dir`` does not exist.
+    """
+    try:
+        dir_fd = os.open(shm_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return SweepResult()
+    removed: list[str] = []
+    failed: list[str] = []
+    try:
+        uid, me = os.geteuid(), os.getpid()
+        for name in os.listdir(dir_fd):
+            found = SHM_NAME_PATTERN.fullmatch(name)
+            if found is None:
+                continue
+            pid = int(found["pid"])
+            if pid == me or _pid_alive(pid):
+                continue
+            try:
+                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                if not stat.S_ISREG(st.st_mode) or st.st_uid != uid:
+                    continue  # not a file tiering made: left alone
+                if _mapped(name, dir_fd, st):
+                    continue  # a live process of another pid namespace: its pid means nothing here
+                os.unlink(name, dir_fd=dir_fd)
+            except FileNotFoundError:
+                continue  # another sweep was first
+            except OSError as exc:
+                failed.append(name)
+                logger.warning(
+                    "host memory pool: cannot remove %s/%s, left by process %d that no longer "
+                    "lives: %s",
+                    shm_dir,
+                    name,
+                    pid,
+                    exc,
+                )
+                continue
+            removed.append(name)
+            logger.info(
+                "host memory pool: removed %s/%s (%d bytes), left by process %d that no "
+                "longer lives",
+                shm_dir,
+                name,
+                st.st_size,
+                pid,
+            )
+    finally:
+        os.close(dir_fd)
+    return SweepResult(removed=tuple(removed), failed=tuple(failed))
 
 
 class PoolStatistics(msgspec.Struct, frozen=True, kw_only=True):
@@ -86,9 +223,11 @@ class HostMemoryPool:
     `tensor`/`words` keep the memory mapped, never dangling).
 
     ``shm_name`` puts the pool in ``/dev/shm/<shm_name>`` so other processes can
-    map it: with ``create=True`` the file must not exist and is removed on
-    close; with ``create=False`` an existing file of exactly ``nbytes`` is
-    mapped (no space check: it is already paid for).
+    map it: with ``create=True`` the file must not exist, is made 0600 and is
+    removed on close, and first the files dead processes left are swept
+    (`sweep_stale_pools`; name yours with `shm_file_name` to be swept in turn);
+    with ``create=False`` an existing file of exactly ``nbytes`` is mapped (no
+    space check: it is already paid for).
     """
 
     def __init__(
@@ -108,6 +247,8 @@ class HostMemoryPool:
         self._owns_file = False
         if shm_name is not None and ("/" in shm_name or not shm_name):
             raise CapacityError(f"shm_name must be a plain file name, got {shm_name!r}")
+        if shm_name is not None and create:
+            sweep_stale_pools()  # first: what they hold counts as free space again
         if shm_name is None or create:
             avail = available_host_bytes(SHM_DIR if shm_name is not None else None)
             if self.mapped_bytes > avail:
@@ -134,8 +275,14 @@ class HostMemoryPool:
 
     def _map_file(self, path: str, create: bool, flags: int) -> mmap.mmap:
         if create:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             try:
+                # Exactly 0600 whatever the umask: this user's other process maps it
+                # read-write, and no one else reads the rows (users' KV data).
+                os.fchmod(fd, 0o600)
+                # Held while any mapping of it lives (the mapping keeps the open file):
+                # what tells a sweep of another pid namespace that it is not stale.
+                fcntl.flock(fd, fcntl.LOCK_SH)
                 # Reserve the space now: a sparse tmpfs file would SIGBUS on a full /dev/shm.
                 os.posix_fallocate(fd, 0, self.mapped_bytes)
                 return mmap.mmap(fd, self.mapped_bytes, flags=flags)
@@ -145,9 +292,21 @@ class HostMemoryPool:
                 raise
             finally:
                 os.close(fd)
-        fd = os.open(path, os.O_RDWR)
+        foreign = ConfigError(
+            f"{path} is not a regular file of this user (a link, a device, another user's "
+            "file): not a pool tiering made, so it is not mapped; remove it"
+        )
         try:
-            size = os.fstat(fd).st_size
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:  # a symbolic link
+                raise foreign from None
+            raise
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                raise foreign
+            size = st.st_size
             if size < self.nbytes:
                 raise CapacityError(f"{path} holds {size} bytes, but the pool needs {self.nbytes}")
             return mmap.mmap(fd, self.mapped_bytes, flags=flags)

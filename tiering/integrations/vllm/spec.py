@@ -65,7 +65,7 @@ from tiering.integrations.vllm.redis_tier import RedisSecondaryTier
 from tiering.integrations.vllm.worker import TieringOffloadingWorker
 from tiering.policies import POLICY_NAMES
 from tiering.transfer import HostMemoryPool
-from tiering.transfer.memory import SHM_DIR
+from tiering.transfer.memory import SHM_DIR, SHM_NAME_PATTERN, sweep_stale_pools
 
 if TYPE_CHECKING:
     from tiering.metrics import MetricsServer
@@ -146,8 +146,10 @@ def _secondary_entry(extra: Mapping[str, Any], world_size: int) -> dict[str, Any
 
 
 def _shm_name(config: OffloadingConfig) -> str:
+    """The tag of this engine's shared rows: the worker's file is
+    ``tiering-<pid>-<tag>-row<row bytes>`` (`shm_file_name`)."""
     engine = "".join(c if c.isalnum() or c in "-_" else "_" for c in config.engine_id)
-    return f"tiering-{engine}-rank{config.parallel.rank}"
+    return f"{engine}-rank{config.parallel.rank}"
 
 
 def _where(key: str) -> str:
@@ -316,18 +318,27 @@ class TieringSpec(OffloadingSpec):
         """The secondary tier over the worker's rows, once the worker has shared them."""
         if self.secondary_tier is None or self.shm_name is None:
             return None
-        # The worker names the file after its row size (the scheduler has no layout).
+        # The worker names the file after its pid and its row size (the scheduler has no
+        # layout); files of processes gone are swept first, so what is left is alive.
+        sweep_stale_pools()
         prefix = f"{self.shm_name}-row"
-        found = sorted(name for name in os.listdir(SHM_DIR) if name.startswith(prefix))
+        found: list[tuple[str, int]] = []
+        for name in sorted(os.listdir(SHM_DIR)):
+            match = SHM_NAME_PATTERN.fullmatch(name)
+            tag = match["tag"] if match is not None else ""
+            row = tag[len(prefix) :]
+            if tag.startswith(prefix) and row.isascii() and row.isdigit():
+                found.append((name, int(row)))
         if not found:
             return None  # the worker has not registered its KV caches yet
         if len(found) > 1:
+            names = ", ".join(name for name, _ in found)
             raise ConfigError(
-                f"{SHM_DIR} holds {len(found)} CPU tiers of this engine ({', '.join(found)}): "
-                "files of an earlier engine with the same engine_id; remove them"
+                f"{SHM_DIR} holds {len(found)} CPU tiers of this engine ({names}), of "
+                "processes still alive: two engines run with the same engine_id "
+                "(kv_transfer_config.engine_id); give each its own"
             )
-        name = found[0]
-        row_bytes = int(name.removeprefix(prefix))
+        name, row_bytes = found[0]
         size = self.num_chunks * row_bytes
         rows = HostMemoryPool(size, shm_name=name, create=False)
         # Both sides keep their mappings; the name goes now, so no crash can leave it behind.

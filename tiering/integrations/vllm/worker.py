@@ -41,7 +41,7 @@ from tiering.transfer import (
     create_backend,
     default_backend_name,
 )
-from tiering.transfer.memory import SHM_DIR
+from tiering.transfer.memory import SHM_DIR, shm_file_name
 
 __all__ = ["TieringOffloadingWorker", "layout_of"]
 
@@ -97,9 +97,10 @@ class TieringOffloadingWorker(OffloadingWorker):
 
     ``backend`` is ``"auto"`` (``cuda`` for caches on a GPU, else ``cpu``) or
     one of `tiering.transfer.BACKEND_NAMES`. With ``shm_name`` the host pool is
-    the file ``/dev/shm/<shm_name>-row<row bytes>`` (made here; the scheduler's
-    secondary tier maps it and removes the name, or `shutdown` does), so the
-    scheduler can read the rows.
+    the file ``/dev/shm/tiering-<pid>-<shm_name>-row<row bytes>`` (made here,
+    0600, ``<pid>`` this process; the scheduler's secondary tier maps it and
+    removes the name, or `shutdown` does), so the scheduler can read the rows.
+    A file a killed process left is swept at the next start (`sweep_stale_pools`).
     """
 
     def __init__(
@@ -120,16 +121,19 @@ class TieringOffloadingWorker(OffloadingWorker):
                 f"unknown transfer backend {backend!r}; choose auto or {', '.join(BACKEND_NAMES)}"
             )
         self.num_chunks = num_chunks
-        # In /dev/shm when the scheduler's secondary tier reads the rows, named after the
-        # row size (the scheduler, without the layout, reads it there).
-        shared = f"{shm_name}-row{self.layout.row_bytes}" if shm_name is not None else None
+        # In /dev/shm when the scheduler's secondary tier reads the rows, named after this
+        # process (swept once it is gone) and the row size (the scheduler, without the
+        # layout, reads it there).
+        shared = None
+        if shm_name is not None:
+            shared = shm_file_name(f"{shm_name}-row{self.layout.row_bytes}")
         try:
             self.pool = HostMemoryPool(self.layout.pool_bytes(num_chunks), shm_name=shared)
         except FileExistsError:
             raise ConfigError(
-                f"{SHM_DIR}/{shared} exists: the CPU tier of an earlier engine with this "
-                "engine_id (kv_transfer_config.engine_id) that did not stop cleanly; remove "
-                "the file, or give this engine another engine_id"
+                f"{SHM_DIR}/{shared} exists: this process holds the CPU tier of an engine "
+                "with this engine_id (kv_transfer_config.engine_id) still; shut that one "
+                "down first, or give this engine another engine_id"
             ) from None
         try:
             # vLLM bounds the jobs itself (a load and a store per request per step) and
