@@ -469,6 +469,27 @@ async def test_values_planted_in_a_keyed_disk_tiers_folder_are_never_loaded(
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("key_len", [4040, 4100])  # its tag, or its key too, past a block
+async def test_a_keyed_value_of_a_long_key_survives_a_restart(
+    tmp_path: Path, namespace: RemoteNamespace, key_a: AuthKey, key_len: int
+) -> None:
+    # Its head spans more than one block: the scan at open must read the tag area too,
+    # or it judged its own value unauthenticated and deleted it.
+    root = tmp_path / "disk"
+    key = OffloadKey(b"\x05" * key_len)
+    async with disk(root, namespace, auth_key=key_a) as tier:
+        rb = tier.row_bytes
+        assert await tier.write(items([key], [row_of(key, rb)])) == 1
+    async with disk(root, namespace, auth_key=key_a) as again:
+        report = await again.open()
+        assert report.dropped == {}
+        assert len(report.values) == 1
+        filled, buffers = await read_back(again, [key])
+        assert filled == [True]
+        assert exact([key], buffers, rb)
+
+
+@pytest.mark.anyio
 async def test_a_tier_without_the_key_does_not_load_keyed_values(
     tmp_path: Path, namespace: RemoteNamespace, chunks: Any, key_a: AuthKey
 ) -> None:

@@ -268,6 +268,26 @@ async def test_the_tier_logs_in_with_a_password_from_a_file(
         assert acl["default"] not in repr(tier)
 
 
+
+@pytest.mark.anyio
+async def test_a_library_tier_takes_its_url_from_the_environment(
+    redis_acl_server: RedisServer,
+    acl: dict[str, str],
+    namespace: RemoteNamespace,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(
+        "TIERING_REMOTE_URL", f"redis://:{acl['default']}@127.0.0.1:{redis_acl_server.port}/0"
+    )
+    tier = RedisTier.from_env(namespace)
+    async with tier:
+        await tier.connect()
+        assert tier.url == f"redis://:***@127.0.0.1:{redis_acl_server.port}/0"
+        assert acl["default"] not in repr(tier)
+    monkeypatch.delenv("TIERING_REMOTE_URL")
+    with pytest.raises(ConfigError, match="TIERING_REMOTE_URL is not set"):
+        RedisTier.from_env(namespace)
+
 REPLAY = [
     sys.executable, "-m", "tiering", "replay", "--workload", "chat", "--requests", "60",
     "--capacity-tokens", "20480", "--bytes-per-token", "16", "--verify",

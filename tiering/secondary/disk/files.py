@@ -804,6 +804,10 @@ class DiskFiles:
             view = head[:got]
             if key_bytes > got:  # a long key: its head spans more than one block
                 view = memoryview(os.pread(fd, key_bytes, 0))
+            long_key = self.codec.peek_key(view)
+            if long_key is not None and self.codec.header_bytes(long_key) > view.nbytes:
+                # the whole head: a keyed value's tag area follows its key
+                view = memoryview(os.pread(fd, self.codec.header_bytes(long_key), 0))
         except NotRegular:
             return NOT_REGULAR
         except OSError:

@@ -58,6 +58,7 @@ is found by its next probe. A standalone server is one gate, as above.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -85,7 +86,7 @@ from tiering.secondary.base import (
 from tiering.secondary.checksum import Checksum
 from tiering.secondary.codec import ChunkCodec, RemoteNamespace, writable_row
 from tiering.secondary.health import Admission, HealthGate, TierState
-from tiering.secondary.redis.address import parse_url, redact_url
+from tiering.secondary.redis.address import URL_ENV, parse_url, redact_url, resolve_url
 from tiering.secondary.redis.wire import Answer, Guard, RedisWire, Row, Work
 
 __all__ = ["RedisTier", "redact_url"]
@@ -185,6 +186,21 @@ class RedisTier(SecondaryTier):
             ttl_s=ttl_s,
             backoff_s=backoff_s,
         )
+
+    @classmethod
+    def from_env(
+        cls,
+        namespace: RemoteNamespace,
+        *,
+        url_env: str = URL_ENV,
+        password_file: str | os.PathLike[str] | None = None,
+        **options: Any,
+    ) -> RedisTier:
+        """A tier whose URL is in the environment variable ``url_env`` (`URL_ENV` by
+        default), its password there or in the first line of ``password_file``: no
+        secret in a server's argv or in a config it logs (see `resolve_url`)."""
+        url = resolve_url(url_env=url_env, password_file=password_file)
+        return cls(url, namespace, **options)
 
     @classmethod
     async def open(cls, url: str, namespace: RemoteNamespace, **options: Any) -> RedisTier:

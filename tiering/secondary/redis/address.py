@@ -23,7 +23,10 @@ import msgspec
 
 from tiering.errors import ConfigError
 
-__all__ = ["RedisAddress", "parse_url", "read_password", "redact_url", "resolve_url"]
+__all__ = ["URL_ENV", "RedisAddress", "parse_url", "read_password", "redact_url", "resolve_url"]
+
+#: The environment variable that holds the Redis tier's URL by default.
+URL_ENV = "TIERING_REMOTE_URL"
 
 _SCHEMES = ("redis", "rediss")
 _TRUE = ("1", "yes", "true", "on")
