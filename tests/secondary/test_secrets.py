@@ -268,7 +268,6 @@ async def test_the_tier_logs_in_with_a_password_from_a_file(
         assert acl["default"] not in repr(tier)
 
 
-
 @pytest.mark.anyio
 async def test_a_library_tier_takes_its_url_from_the_environment(
     redis_acl_server: RedisServer,
@@ -287,6 +286,7 @@ async def test_a_library_tier_takes_its_url_from_the_environment(
     monkeypatch.delenv("TIERING_REMOTE_URL")
     with pytest.raises(ConfigError, match="TIERING_REMOTE_URL is not set"):
         RedisTier.from_env(namespace)
+
 
 REPLAY = [
     sys.executable, "-m", "tiering", "replay", "--workload", "chat", "--requests", "60",
