@@ -302,6 +302,20 @@ def test_a_key_file_is_read_once_without_its_newline(tmp_path: Path) -> None:
     assert KEY_B.key_id != KEY_A.key_id
 
 
+@pytest.mark.parametrize("secret", [SECRET, SECRET.decode()], ids=["bytes", "str"])
+def test_a_raw_secret_given_as_the_auth_key_is_a_config_error_not_showing_it(
+    tmp_path: Path, namespace: RemoteNamespace, secret: Any
+) -> None:
+    # Not taken and then failing at the first write (AttributeError, counted 'cancelled').
+    for make in (
+        lambda: ChunkCodec(NS, auth_key=secret),
+        lambda: DiskTier(tmp_path / "disk", 1 << 20, namespace, auth_key=secret),
+    ):
+        with pytest.raises(ConfigError, match="must be an AuthKey") as error:
+            make()
+        assert SECRET.decode() not in str(error.value)
+
+
 def test_the_key_is_never_shown(tmp_path: Path) -> None:
     path = tmp_path / "key"
     path.write_bytes(SECRET)

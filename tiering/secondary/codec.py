@@ -309,6 +309,12 @@ class ChunkCodec:
         self.namespace = namespace
         self.checksum = Checksum(checksum)
         self.row_bytes = namespace.row_bytes
+        if auth_key is not None and not isinstance(auth_key, AuthKey):
+            # never shown: it may be the secret itself (bytes or str)
+            raise ConfigError(
+                f"auth_key must be an AuthKey (AuthKey.from_file, AuthKey.from_env), "
+                f"got {type(auth_key).__name__}"
+            )
         self.auth_key = auth_key
         self._tag = 0 if auth_key is None else TAG_BYTES
         self._digest = namespace.digest()
