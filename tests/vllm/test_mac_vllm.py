@@ -113,3 +113,16 @@ def test_a_bad_auth_key_file_is_one_error_naming_the_key(tmp_path: Path) -> None
     assert "does not exist" in message
     assert "RedisSecondaryTier" in message
     assert AuthKey.from_env({}) is None
+
+
+def test_a_bad_key_in_the_environment_is_named_as_the_variable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("TIERING_AUTH_KEY", "short")
+    tier = extra(url="redis://127.0.0.1:6390/0")["secondary_tiers"][0]
+    with pytest.raises(ConfigError) as caught:
+        RedisSecondaryTier.check_entry("RedisSecondaryTier", tier)
+    message = str(caught.value)
+    assert "$TIERING_AUTH_KEY" in message
+    assert "auth_key_file" not in message
+    assert "short" not in message

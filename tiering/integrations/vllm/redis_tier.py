@@ -741,7 +741,8 @@ class _Options:
         try:  # else $TIERING_AUTH_KEY, if set: no secret in the entry, which vLLM logs
             self.redis["auth_key"] = AuthKey.load(key_file)
         except ConfigError as exc:
-            raise ConfigError(f"{self._where}: 'auth_key_file': {exc}") from None
+            source = "'auth_key_file'" if key_file is not None else "$TIERING_AUTH_KEY"
+            raise ConfigError(f"{self._where}: {source}: {exc}") from None
         locality = entry.get("locality") or "REMOTE"
         if not isinstance(locality, str) or locality.upper() not in ("LOCAL", "REMOTE"):
             self._bad("locality", locality, "'REMOTE' (shared with other engines) or 'LOCAL'")
