@@ -93,8 +93,6 @@ us a value warm, 96-159 dropped.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import hmac
 import json
 import mmap
 import os
@@ -112,6 +110,7 @@ from typing import Any
 import anyio
 import numpy as np
 import xxhash
+from _mac import mac_speed
 
 from tiering import make_offload_key
 from tiering._types import OffloadKey
@@ -613,32 +612,6 @@ def summarize(result: dict[str, Any], direct_ok: bool) -> list[dict[str, Any]]:
             }
         )
     return out
-
-
-def mac_speed(row_bytes: int, kind: str, repeat: int = 20) -> float:
-    """GB/s of one core's MAC over a row (best of ``repeat``): the bound of keyed values.
-    AES-GMAC's is a whole value's: its subkey derived, then the payload's tag (0: the
-    ``cryptography`` package is not installed)."""
-    row, key = os.urandom(row_bytes), os.urandom(32)
-    if kind == "aes-gmac":
-        try:
-            from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-        except ImportError:
-            return 0.0
-        base = hmac.new(key, digestmod=hashlib.sha256)
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        if kind == "blake2b":
-            hashlib.blake2b(row, key=key, digest_size=32).digest()
-        elif kind == "aes-gmac":
-            derive = base.copy()
-            derive.update(bytes(96))
-            AESGCM(derive.digest()).encrypt(bytes(12), b"", row)
-        else:
-            hmac.new(key, row, hashlib.sha256).digest()
-        best = min(best, time.perf_counter() - start)
-    return row_bytes / best / 1e9
 
 
 async def scan_bench(root: Path, n: int, args: argparse.Namespace) -> dict[str, float]:

@@ -56,8 +56,6 @@ tier/raw, range then median of the 6; 256 KiB, then 2 MiB):
 from __future__ import annotations
 
 import argparse
-import hashlib
-import hmac
 import json
 import os
 import shutil
@@ -73,6 +71,7 @@ from typing import Any
 
 import anyio
 import numpy as np
+from _mac import mac_speed
 
 from tiering import make_offload_key
 from tiering.secondary import RemoteNamespace
@@ -331,32 +330,6 @@ async def run_size(port: int, chunk: int, args: argparse.Namespace) -> list[dict
 def mac_name(key: AuthKey) -> str:
     """The MAC ``key`` writes with, as `mac_speed` names it."""
     return "aes-gmac" if key.mac_kind is MacKind.AES_GMAC else "hmac-sha256"
-
-
-def mac_speed(row: Any, kind: str, repeat: int = 20) -> float:
-    """GB/s of one core's MAC over ``row`` (best of ``repeat``): the bound of keyed values.
-    AES-GMAC's is a whole value's: its subkey derived, then the payload's tag (0: the
-    ``cryptography`` package is not installed)."""
-    key = os.urandom(32)
-    if kind == "aes-gmac":
-        try:
-            from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-        except ImportError:
-            return 0.0
-        base = hmac.new(key, digestmod=hashlib.sha256)
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        if kind == "blake2b":
-            hashlib.blake2b(row, key=key, digest_size=32).digest()
-        elif kind == "aes-gmac":
-            derive = base.copy()
-            derive.update(bytes(96))
-            AESGCM(derive.digest()).encrypt(bytes(12), b"", row)
-        else:
-            hmac.new(key, row, hashlib.sha256).digest()
-        best = min(best, time.perf_counter() - start)
-    return float(row.nbytes / best / 1e9)
 
 
 async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
