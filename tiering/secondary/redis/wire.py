@@ -239,21 +239,30 @@ class RedisWire:
                 self._masters = _masters(slot_map)
             self._ready = True
 
-    def _cluster_enabled(self) -> bool:
-        pool = self._pool(self.address)
+    def _info(self, address: RedisAddress, *command: bytes) -> bytes | None:
+        """The text ``command`` (an INFO) answers at ``address``; None when the user may
+        not run it. Any other error reply is raised as redis-py's exception."""
+        pool = self._pool(address)
         connection = pool.get()
         try:
-            reply = connection.command(b"INFO", b"cluster")
+            reply = connection.command(*command)
         finally:
             pool.release(connection)
         if isinstance(reply, ErrorReply):
             error = error_from_reply(reply)
             if isinstance(error, errors().permission):
-                return False  # a user that may not run INFO: take it as standalone
+                return None
             raise error
         if not isinstance(reply, bytes | bytearray):
-            raise errors().rx.InvalidResponse(f"Protocol Error: {reply!r} in reply to INFO")
-        return any(line.strip() == b"cluster_enabled:1" for line in bytes(reply).splitlines())
+            name = b" ".join(command).decode()
+            raise errors().rx.InvalidResponse(f"Protocol Error: {reply!r} in reply to {name}")
+        return bytes(reply)
+
+    def _cluster_enabled(self) -> bool:
+        reply = self._info(self.address, b"INFO", b"cluster")
+        if reply is None:
+            return False  # a user that may not run INFO: take it as standalone
+        return any(line.strip() == b"cluster_enabled:1" for line in reply.splitlines())
 
     def _redis_py_client(self) -> Any:
         import redis
@@ -499,18 +508,9 @@ class RedisWire:
         cluster; brought up on its PING, it would go down again on its first
         keys, every probe (its backoff reset each time) until then.
         """
-        pool = self._pool(self.address.at(*node))
-        connection = pool.get()
-        try:
-            reply = connection.command(b"CLUSTER", b"INFO")
-        finally:
-            pool.release(connection)
-        if isinstance(reply, ErrorReply):
-            error = error_from_reply(reply)
-            if isinstance(error, errors().permission):
-                return  # a user that may not run CLUSTER INFO: it answered, take it as up
-            raise error
-        if isinstance(reply, bytes | bytearray) and b"cluster_state:ok" not in reply:
+        reply = self._info(self.address.at(*node), b"CLUSTER", b"INFO")
+        # None: a user that may not run CLUSTER INFO; it answered, take it as up.
+        if reply is not None and b"cluster_state:ok" not in reply:
             raise errors().rx.ClusterDownError(
                 f"node {node[0]}:{node[1]} does not serve its slots yet (cluster_state:fail)"
             )
