@@ -104,3 +104,16 @@ def test_a_url_given_where_the_variable_name_belongs_is_never_shown(
     assert "give the name of the variable that holds it" in err
     assert "app" not in err
     assert "10.0.0.5" not in err
+
+
+def test_a_bare_password_in_the_variable_is_never_shown(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the password where the URL belongs (TIERING_REMOTE_URL=$REDIS_PASSWORD): the
+    # scheme error once quoted the whole value
+    monkeypatch.setenv("MY_REDIS_URL", "Kx7Qw9vZm2RtLp8")
+    err = _one_error_line(capsys, "--remote-url-env", "MY_REDIS_URL")
+    assert "must start with redis:// or rediss://" in err
+    assert "Kx7Qw9vZm2RtLp8" not in err
+    err = _one_error_line(capsys, "--remote", "http://:Kx7Qw@127.0.0.1:6379")
+    assert "'http://:***@127.0.0.1:6379'" in err  # a URL of another scheme: still shown

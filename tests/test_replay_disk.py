@@ -145,3 +145,23 @@ def test_a_replay_killed_mid_run_leaves_a_folder_the_next_one_opens(tmp_path: Pa
     )  # fmt: skip
     assert after["hit_blocks_by_tier"]["disk"] > 0
     assert not list(folder.rglob("*.tmp"))  # nothing half-written is left
+
+
+def test_a_namespace_folder_that_is_a_link_or_a_file_is_one_line_naming_it(
+    tmp_path: Path,
+) -> None:
+    # the refusal once said "not a regular file" of a folder, and of a regular file
+    folder = tmp_path / "disk"
+    small = ["--disk", str(folder), "--disk-bytes", DISK_BYTES, "--requests", "5"]
+    assert run(*REPLAY, *small).returncode == 0
+    (namespace,) = [p for p in folder.iterdir() if p.is_dir()]
+    elsewhere = tmp_path / "elsewhere"
+    namespace.rename(elsewhere)
+    for make in (lambda: namespace.symlink_to(elsewhere), lambda: namespace.write_text("x")):
+        make()
+        bad = run(*REPLAY, *small)
+        assert bad.returncode == 2, bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+        assert f"{namespace.name} is a symbolic link or not a folder" in bad.stderr
+        assert "not a regular file" not in bad.stderr
+        namespace.unlink()

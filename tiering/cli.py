@@ -359,7 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--auth-key-file", metavar="PATH",
         help="a secret shared by every engine of the disk and remote tiers: values are "
         "written with a MAC under it and only values with a valid one are loaded (a regular "
-        "file of 16 or more bytes; else the variable TIERING_AUTH_KEY, if set)",
+        "file of 16 to 4,096 bytes; else the variable TIERING_AUTH_KEY, if set)",
     )  # fmt: skip
     rep.add_argument("--json", action="store_true", help="print one JSON object")
     rep.set_defaults(run=_run_replay)

@@ -116,6 +116,7 @@ from tiering.secondary.disk.files import (
     NOT_REGULAR,
     DirectoryGone,
     DiskFiles,
+    NotRegular,
     ReadOutcome,
     ScanResult,
     WriteOutcome,
@@ -342,6 +343,12 @@ class DiskTier(SecondaryTier):
         files = self._files
         try:
             files.make_folder()
+        except NotRegular:  # its message says "not a regular file": wrong for a folder
+            raise ConfigError(
+                f"the disk tier folder {files.folder} is a symbolic link or not a folder: the "
+                "tier never follows links inside its folder; remove it (what it points to is "
+                "left untouched)"
+            ) from None
         except OSError as exc:
             raise ConfigError(
                 f"cannot open the disk tier folder {files.folder}: {exc.strerror or exc}"

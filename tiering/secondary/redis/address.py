@@ -240,9 +240,9 @@ def parse_url(url: str, cluster: bool | None) -> tuple[RedisAddress, str, bool |
             f"redis://[user[:password]@]host[:port][/db]{_encoding_hint(url)}"
         ) from None
     if parts.scheme not in _SCHEMES:
-        raise ConfigError(
-            f"a Redis tier URL must start with redis:// or rediss://, got {redact_url(url)!r}"
-        )
+        # no scheme: not a URL, and maybe a bare password (a variable set to one): not shown
+        got = repr(redact_url(url)) if "://" in url else "a value without one (not shown)"
+        raise ConfigError(f"a Redis tier URL must start with redis:// or rediss://, got {got}")
     port, db = _check_address(parts, url)
     hint = _encoding_hint(url)
     if hint:  # else a password's text is taken for the host, an option or a fragment
