@@ -519,6 +519,30 @@ async def test_a_tier_without_the_key_does_not_load_keyed_values(
         assert filled == [False, False]
 
 
+@pytest.mark.anyio
+async def test_a_run_without_the_key_leaves_the_keyed_values_on_disk(
+    tmp_path: Path, namespace: RemoteNamespace, chunks: Any, key_a: AuthKey
+) -> None:
+    # An operator who starts one run without the key must not lose the keyed cache.
+    root = tmp_path / "disk"
+    keys = chunks.keys(2)
+    async with disk(root, namespace, auth_key=key_a) as tier:
+        rb = tier.row_bytes
+        assert await tier.write(items(keys, [row_of(k, rb) for k in keys])) == 2
+    async with disk(root, namespace) as unkeyed:  # the owner, not read-only
+        report = await unkeyed.open()
+        assert report.dropped == {Verdict.BAD_VERSION.value: 2}
+        filled, _ = await read_back(unkeyed, keys)
+        assert filled == [False, False]
+    async with disk(root, namespace, auth_key=key_a) as again:
+        report = await again.open()
+        assert report.dropped == {}
+        assert len(report.values) == 2
+        filled, buffers = await read_back(again, keys)
+        assert filled == [True, True]
+        assert exact(keys, buffers, rb)
+
+
 # -- the Redis tier ---------------------------------------------------------------------
 
 

@@ -95,6 +95,8 @@ _WILLNEED: int | None = getattr(os, "POSIX_FADV_WILLNEED", None)
 READ_AHEAD = 32
 _LATER = OSError(errno.EMFILE, "opened when read")  # a placeholder in a read's window
 _SEQUENCE = itertools.count()
+#: The verdict of a value the scan leaves on disk: a version this tier does not read.
+_KEPT_VERSION = Verdict.BAD_VERSION.value
 
 #: Why an entry where the tier's own file or shard folder belongs is left alone: a
 #: symbolic link, FIFO, socket, device or folder (or a shard that is not a folder).
@@ -700,7 +702,10 @@ class DiskFiles:
         A value is sound when its header passes every check of the codec but
         the checksum (checked at each read) and its file has the right length.
         Half-written values (temporary names) and values that fail are deleted,
-        unless the tier is read-only. What is not a regular file (a link, FIFO,
+        unless the tier is read-only; but a value of a format version this tier
+        does not read (a keyed value where no key is given, or a later
+        release's) is only left out (counted ``bad_version``): a run started
+        once without the key must not delete the keyed tier's values. What is not a regular file (a link, FIFO,
         socket, device or folder where a value or a shard belongs) is never opened
         through, never blocks the scan and is never deleted: counted, left alone.
         """
@@ -711,6 +716,8 @@ class DiskFiles:
 
         def drop(folder: int, name: str, reason: str) -> None:
             dropped[reason] = dropped.get(reason, 0) + 1
+            if reason == _KEPT_VERSION:
+                return  # another release's or another key's value: not this tier's to delete
             if not self.read_only:
                 with contextlib.suppress(OSError):
                     os.unlink(name, dir_fd=folder)
