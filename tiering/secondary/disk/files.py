@@ -705,9 +705,10 @@ class DiskFiles:
         unless the tier is read-only; but a value of a format version this tier
         does not read (a keyed value where no key is given, or a later
         release's) is only left out (counted ``bad_version``): a run started
-        once without the key must not delete the keyed tier's values. What is not a regular file (a link, FIFO,
-        socket, device or folder where a value or a shard belongs) is never opened
-        through, never blocks the scan and is never deleted: counted, left alone.
+        once without the key must not delete the keyed tier's values. What is not a
+        regular file (a link, FIFO, socket, device or folder where a value or a
+        shard belongs) is never opened through, never blocks the scan and is never
+        deleted: counted, left alone.
         """
         start = time.perf_counter()
         values: list[tuple[OffloadKey, int, int]] = []
