@@ -135,3 +135,30 @@ def test_tiering_events_bound_on_every_interface_says_so_once_on_stderr() -> Non
     lines = [line for line in run.stderr.splitlines() if "unauthenticated" in line]
     assert len(lines) == 1, run.stderr
     assert "Traceback" not in run.stderr
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback on this machine")
+async def test_ipv6_endpoints_bind_and_meet(caplog: pytest.LogCaptureFixture) -> None:
+    # ZeroMQ refuses an IPv6 address ("No such device") on a socket without its IPV6
+    # option: `tcp://[::]:PORT` could not be bound at all, `[::1]` not reached.
+    with caplog.at_level(logging.WARNING):
+        everywhere = ZmqEventPublisher(KVEventsConfig(endpoint="tcp://[::]:*"))
+        everywhere.close()
+    assert len(unauthenticated(caplog)) == 1
+    publisher = ZmqEventPublisher(KVEventsConfig(endpoint="tcp://[::1]:*", bind=True))
+    try:
+        assert publisher.binds
+        port = publisher.endpoint.rsplit(":", 1)[1]
+        async with ZmqSubscriber(f"tcp://[::1]:{port}") as subscriber:
+            assert subscriber.statistics().malformed_total == 0
+    finally:
+        publisher.close()

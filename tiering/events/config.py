@@ -32,6 +32,7 @@ __all__ = [
     "KVEventsConfig",
     "binds_every_interface",
     "check_endpoint",
+    "is_ipv6",
     "loopback_of",
     "offset_endpoint",
     "tcp_address",
@@ -71,6 +72,13 @@ def binds_every_interface(endpoint: str) -> bool:
     host in `ANY_HOSTS`): then anyone who can reach the port can use the socket."""
     address = tcp_address(endpoint)
     return address is not None and address[0] in ANY_HOSTS
+
+
+def is_ipv6(endpoint: str) -> bool:
+    """Whether ``endpoint`` is ``tcp://`` to an IPv6 address (``[::1]``, ``[::]``): ZeroMQ
+    takes one only on a socket with its ``IPV6`` option set."""
+    address = tcp_address(endpoint)
+    return address is not None and ":" in address[0]
 
 
 def loopback_of(endpoint: str) -> str:

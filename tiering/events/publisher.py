@@ -69,6 +69,7 @@ from tiering.events.config import (
     DEFAULT_ENDPOINT,
     KVEventsConfig,
     binds_every_interface,
+    is_ipv6,
     offset_endpoint,
     wildcard_of,
 )
@@ -218,6 +219,8 @@ class ZmqEventPublisher:
         """Bind or connect ``sock``; the address it really has (a bound wildcard resolved)."""
         bind = bind or should_bind(endpoint)
         try:
+            if is_ipv6(endpoint):
+                sock.setsockopt(zmq.IPV6, 1)
             if bind:
                 sock.bind(endpoint)
                 return bytes(sock.getsockopt(zmq.LAST_ENDPOINT)).decode()

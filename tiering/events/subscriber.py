@@ -51,7 +51,12 @@ from anyio.abc import AsyncResource
 
 from tiering._state import ResourceState
 from tiering.errors import ConfigError, ResourceClosedError
-from tiering.events.config import DEFAULT_ENDPOINT, binds_every_interface, check_endpoint
+from tiering.events.config import (
+    DEFAULT_ENDPOINT,
+    binds_every_interface,
+    check_endpoint,
+    is_ipv6,
+)
 from tiering.events.monitor import PeerEvent, PeerMonitor
 from tiering.events.publisher import END_SEQ
 from tiering.events.schema import EventItem, EventSchemaError, Gap, SequencedBatch, decode_batch
@@ -150,6 +155,8 @@ class ZmqSubscriber(AsyncResource):
         try:
             self._sub.setsockopt(zmq.RCVHWM, hwm)
             self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+            if is_ipv6(endpoint):
+                self._sub.setsockopt(zmq.IPV6, 1)
             if self._binds:
                 self._sub.bind(endpoint)
                 self._endpoint = bytes(self._sub.getsockopt(zmq.LAST_ENDPOINT)).decode()
@@ -193,6 +200,8 @@ class ZmqSubscriber(AsyncResource):
         dealer = self._ctx.socket(zmq.DEALER)
         try:
             dealer.setsockopt(zmq.RCVHWM, 0)  # a replay answer is bounded by the publisher's buffer
+            if is_ipv6(endpoint):
+                dealer.setsockopt(zmq.IPV6, 1)
             dealer.connect(endpoint)
         except zmq.ZMQError as exc:
             dealer.close(linger=0)
