@@ -557,6 +557,7 @@ def _run_replay(args: argparse.Namespace) -> None:
         ("corrupt chunks", f"{r.corrupt_chunks:,}" if args.verify else "not checked (--verify)"),
         ("hit by tier", _by_tier(r)),
         *_tier_rows(r, args),
+        *([("values", _keyed(options.auth_key))] if r.tiers else []),
         ("events", f"{r.events_published:,} published, {r.events_dropped:,} dropped"
                    if args.events_endpoint else "off (--events-endpoint)"),
         ("seconds", f"{r.seconds:.2f}"),
@@ -579,6 +580,13 @@ def _auth_key(args: argparse.Namespace) -> AuthKey | None:
     if args.disk is None and args.remote is None and args.remote_url_env is None:
         return None  # nothing to authenticate: an exported variable is not an error
     return Key.load(args.auth_key_file)
+
+
+def _keyed(key: AuthKey | None) -> str:
+    """The summary's word on the lower tiers' values: keyed (by which key), or not."""
+    if key is None:
+        return "unkeyed: anyone who can write to the tiers can write a value (--auth-key-file)"
+    return f"keyed: only holders of auth key {key.key_id} (from {key.source}) can write one"
 
 
 def _replay_against_simulate(r: ReplayResult, args: argparse.Namespace) -> str:

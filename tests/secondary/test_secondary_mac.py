@@ -705,3 +705,20 @@ def test_a_short_key_in_the_variable_exits_2_and_a_key_without_a_tier_is_an_erro
     done = run_cli(*REPLAY, "--auth-key-file", str(key_file))
     assert done.returncode == 2
     assert "--disk DIR or --remote URL" in done.stderr
+
+
+def test_the_summary_says_whether_the_values_are_keyed_and_by_which_key(tmp_path: Path) -> None:
+    key_file = tmp_path / "key"
+    key_file.write_bytes(SECRET + b"\n")
+    key_file.chmod(0o600)
+    disk_args = ["--disk", str(tmp_path / "disk"), "--disk-bytes", "100000000"]
+    text = [a for a in REPLAY if a != "--json"]
+    keyed = run_cli(*text, *disk_args, "--auth-key-file", str(key_file))
+    assert keyed.returncode == 0, keyed.stderr
+    (line,) = [x for x in keyed.stdout.splitlines() if x.startswith("values ")]
+    assert f"keyed: only holders of auth key {AuthKey(SECRET).key_id} (from" in line
+    assert SECRET.decode() not in keyed.stdout + keyed.stderr
+    plain = run_cli(*text, "--disk", str(tmp_path / "other"), "--disk-bytes", "100000000")
+    assert plain.returncode == 0, plain.stderr
+    (line,) = [x for x in plain.stdout.splitlines() if x.startswith("values ")]
+    assert "unkeyed" in line
