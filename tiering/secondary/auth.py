@@ -47,6 +47,7 @@ __all__ = [
     "Gmac",
     "Mac",
     "MacKind",
+    "read_secret_file",
 ]
 
 logger = logging.getLogger(__name__)
@@ -198,34 +199,12 @@ class AuthKey:
         may read it.
         """
         name = os.fspath(path)
-        try:
-            # O_NONBLOCK: a FIFO there is refused below, not waited on.
-            fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError as exc:
-            if exc.errno == errno.ENOENT:
-                what = "does not exist"
-            elif exc.errno == errno.EISDIR:
-                what = "is a directory, not a file"
-            else:
-                what = f"cannot be read ({exc.strerror})"
-            raise ConfigError(f"the auth key file {name} {what}; {_MAKE_ONE}") from None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
-                raise ConfigError(f"the auth key file {name} is {kind}; {_MAKE_ONE}")
-            if st.st_size > MAX_KEY_BYTES + 2:
-                raise ConfigError(
-                    f"the auth key file {name} holds {st.st_size:,} bytes; a key is at most "
-                    f"{MAX_KEY_BYTES} bytes (is it the right file?); {_MAKE_ONE}"
-                )
-            raw = os.read(fd, MAX_KEY_BYTES + 3)
-        except OSError as exc:
+        raw, st = read_secret_file(name, "the auth key file", _MAKE_ONE, MAX_KEY_BYTES + 3)
+        if st.st_size > MAX_KEY_BYTES + 2:
             raise ConfigError(
-                f"the auth key file {name} cannot be read ({exc.strerror}); {_MAKE_ONE}"
-            ) from None
-        finally:
-            os.close(fd)
+                f"the auth key file {name} holds {st.st_size:,} bytes; a key is at most "
+                f"{MAX_KEY_BYTES} bytes (is it the right file?); {_MAKE_ONE}"
+            )
         key = cls(_strip_newline(raw), source=f"file {name}")  # a bad key: no warning too
         if st.st_mode & (stat.S_IRGRP | stat.S_IROTH | stat.S_IWGRP | stat.S_IWOTH):
             logger.warning(
@@ -262,6 +241,36 @@ class AuthKey:
 
     def __deepcopy__(self, memo: object) -> AuthKey:
         return self
+
+
+def read_secret_file(
+    path: str | os.PathLike[str], what: str, fix: str, limit: int
+) -> tuple[bytes, os.stat_result]:
+    """The first ``limit`` bytes of the regular file ``path`` (a key, a password) and its
+    status: one `ConfigError` naming ``what`` and the file, never its content, with
+    ``fix``, when it is missing, not a regular file (a FIFO never blocks the open: it is
+    opened ``O_NONBLOCK``) or unreadable."""
+    name = os.fspath(path)
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ENOENT:
+            why = "does not exist"
+        elif exc.errno == errno.EISDIR:
+            why = "is not a regular file (it is a directory)"
+        else:
+            why = f"cannot be read ({exc.strerror})"
+        raise ConfigError(f"{what} {name} {why}; {fix}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = " (it is a directory)" if stat.S_ISDIR(st.st_mode) else ""
+            raise ConfigError(f"{what} {name} is not a regular file{kind}; {fix}")
+        return os.read(fd, limit), st
+    except OSError as exc:
+        raise ConfigError(f"{what} {name} cannot be read ({exc.strerror}); {fix}") from None
+    finally:
+        os.close(fd)
 
 
 def _strip_newline(raw: bytes) -> bytes:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import re
 import ssl
-import stat
 import urllib.parse
 from collections.abc import Mapping
 from typing import Any
@@ -22,6 +21,7 @@ from typing import Any
 import msgspec
 
 from tiering.errors import ConfigError
+from tiering.secondary.auth import read_secret_file
 
 __all__ = ["URL_ENV", "RedisAddress", "parse_url", "read_password", "redact_url", "resolve_url"]
 
@@ -198,26 +198,8 @@ def read_password(path: str | os.PathLike[str]) -> str:
     """The first line of the file at ``path``, stripped; `ConfigError` naming the file
     (never its content) when it is missing, not a regular file, unreadable or empty."""
     name = os.fspath(path)
-    try:  # O_NONBLOCK: a FIFO put in its place never blocks the start
-        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
-    except FileNotFoundError:
-        raise ConfigError(
-            f"the password file {name} does not exist: give a file whose first line is the "
-            "Redis password"
-        ) from None
-    except OSError as exc:
-        raise ConfigError(f"cannot open the password file {name}: {exc.strerror}") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ConfigError(
-                f"the password file {name} is not a regular file: give a file whose first "
-                "line is the Redis password"
-            )
-        data = os.read(fd, _PASSWORD_FILE_BYTES)
-    except OSError as exc:
-        raise ConfigError(f"cannot read the password file {name}: {exc.strerror}") from None
-    finally:
-        os.close(fd)
+    fix = "give a file whose first line is the Redis password"
+    data, _ = read_secret_file(name, "the password file", fix, _PASSWORD_FILE_BYTES)
     try:
         password = data.decode().partition("\n")[0].strip()
     except UnicodeDecodeError:
