@@ -1150,8 +1150,8 @@ class DiskFiles:
                 return False
             try:
                 fd = opened[index]
-                shard, name = self.where(key)
                 if fd is _LATER:  # no descriptor was free at the window's open
+                    shard, name = self.where(key)
                     fd = opened[index] = _open_at(
                         self.os, self._shard(held, shard), name, _READ
                     )  # fmt: skip
@@ -1187,6 +1187,7 @@ class DiskFiles:
                     if verdict is Verdict.OK:
                         os.utime(fd)  # the file read, whatever its name holds now
                     else:
+                        shard, name = self.where(key)
                         folder = self._shard(held, shard)
                         now = self.os.stat(name, dir_fd=folder, follow_symlinks=False)
                         if now.st_ino == os.fstat(fd).st_ino:  # not a rewrite since
@@ -1206,7 +1207,10 @@ class DiskFiles:
         o = self.os
         codec = self.codec
         size = head_bytes(codec, key)
-        file_bytes = _check_regular(fd, bytes(key).hex()).st_size  # a FIFO, a device: never read
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # a FIFO, a device: never read
+            raise NotRegular(bytes(key).hex())
+        file_bytes = st.st_size
         head = _head_buffer(size)
         got = o.preadv(fd, [head], 0)
         verdict = self._check_head(key, head[:got], file_bytes)
