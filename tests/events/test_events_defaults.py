@@ -147,9 +147,9 @@ def _has_ipv6_loopback() -> bool:
 
 
 @pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback on this machine")
-async def test_ipv6_endpoints_bind_and_meet(caplog: pytest.LogCaptureFixture) -> None:
+async def test_ipv6_endpoints_bind_and_connect(caplog: pytest.LogCaptureFixture) -> None:
     # ZeroMQ refuses an IPv6 address ("No such device") on a socket without its IPV6
-    # option: `tcp://[::]:PORT` could not be bound at all, `[::1]` not reached.
+    # option: `tcp://[::]:PORT` could not be bound at all, nor `[::1]` connected to.
     with caplog.at_level(logging.WARNING):
         everywhere = ZmqEventPublisher(KVEventsConfig(endpoint="tcp://[::]:*"))
         everywhere.close()
