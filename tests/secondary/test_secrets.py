@@ -67,6 +67,7 @@ def leaks(text: str, secret: str = SECRET) -> list[str]:
         ("redis://host/secret", "redis://host/***"),
         ("re dis://u:secret@host", "***"),
         ("u:secret@host:6379", "u:***@host:6379"),
+        ("s3cretPW", "***"),  # a password where the URL belongs
         ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),
         ("redis://engine:secret\n@host", "redis://engine:***@host"),
         ("redis://us er:secret@host", "redis://***@host"),

@@ -176,3 +176,13 @@ def test_a_bad_url_env_or_password_file_is_one_error(
     assert "RedisSecondaryTier" in message
     assert "in-url" not in message
     assert "\n" not in message
+
+
+def test_a_bare_password_in_the_url_variable_is_never_in_the_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("TIERING_TEST_URL", "s3cretPW")
+    with pytest.raises(ConfigError) as caught:
+        RedisSecondaryTier.check_entry("RedisSecondaryTier", {"url_env": "TIERING_TEST_URL"})
+    assert "TIERING_TEST_URL" in str(caught.value)
+    assert "s3cretPW" not in str(caught.value)

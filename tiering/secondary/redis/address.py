@@ -106,10 +106,14 @@ def redact_url(url: str) -> str:
     with an unencoded ``/``, ``#``, ``?``, ``@`` or ``:`` is hidden whole; only a
     user name of plain characters before the first ``:`` is kept. A host, port or
     database that does not read as one (a URL that does not parse, or a password
-    where the host belongs) is shown as ``***``: never the raw text. Never raises.
+    where the host belongs) is shown as ``***``: never the raw text; so is a value
+    with neither ``://`` nor ``@`` (a password given where the URL belongs). Never
+    raises.
     """
     scheme, sep, rest = url.partition("://")
     if not sep:
+        if "@" not in url:  # no URL at all: maybe the password itself, given for one
+            return "***"
         scheme, rest = "", url
     elif not _SCHEME.fullmatch(scheme):
         return "***"
