@@ -20,6 +20,8 @@ LAYERS: dict[str, float] = {
     "errors": 0,
     "_types": 0,
     "_state": 0,
+    "_checks": 0,
+    "_closing": 3,  # the async wait of the one lifecycle
     "config": 1,
     "specs": 1,
     "cpu.common": 1,
