@@ -20,7 +20,7 @@ from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
 from tiering.errors import ConfigError
 from tiering.integrations.vllm import RedisSecondaryTier
-from tiering.integrations.vllm.cascade import CascadeMetrics
+from tiering.integrations.vllm.link import CascadeMetrics
 from tiering.transfer.memory import SHM_DIR, SHM_NAME_PATTERN, shm_file_name
 
 from ..secondary import conftest as secondary

@@ -15,11 +15,15 @@
 
 Attribution: each tier counts what it gave (`SecondaryTierStatistics.promoted`),
 and a `Promotion` says how many chunks came from which tier, by label.
+
+Every decision (pins, the drop rule, the bound split between the tiers, the
+slots of a promotion and what it keeps, resets, the counts) is one
+`tiering.cpu.flows.Flows` shared by the tiers' cascades; the chain asks the
+tiers and reads the rows.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
 
 import anyio
@@ -27,6 +31,7 @@ import anyio.abc
 import anyio.lowlevel
 
 from tiering._types import OffloadKey
+from tiering.cpu.flows import Flows, Keep
 from tiering.cpu.manager import CPUOffloadingManager
 from tiering.errors import ConfigError
 from tiering.secondary.base import SecondaryTier
@@ -61,14 +66,9 @@ class TierChain:
     ) -> None:
         if not tiers:
             raise ConfigError("a chain of tiers needs at least one tier")
-        labels = [tier.label for tier in tiers]
-        if len(set(labels)) != len(labels):
-            raise ConfigError(
-                f"every tier below the CPU tier needs its own label, got {labels}; "
-                "give each tier a label of its own (e.g. disk, remote)"
-            )
         limits = limits or CascadeLimits()
-        per_tier = max(1, limits.max_pinned(manager.capacity) // len(tiers))
+        labels = [tier.label for tier in tiers]
+        self.flows = Flows(manager, labels, pin_bound=limits.max_pinned(manager.capacity))
         self.cascades = [
             SecondaryCascade(
                 tier,
@@ -77,14 +77,14 @@ class TierChain:
                 row_bytes=row_bytes,
                 limits=limits,
                 on_written=on_written(tier) if on_written is not None else None,
-                max_pinned=per_tier,
+                flows=self.flows,
+                index=index,
             )
-            for tier in tiers
+            for index, tier in enumerate(tiers)
         ]
         self.tiers = tuple(tiers)
         self._manager = manager
         self._row = row
-        self._jobs = itertools.count()
 
     # -- life: each cascade's --------------------------------------------------------
 
@@ -114,12 +114,13 @@ class TierChain:
             cascade.stored(keys)
 
     def check_reset(self, *, force: bool) -> None:
-        for cascade in self.cascades:
-            cascade.check_reset(force=force)
+        """Refuse (`ChunkStateError`) a reset while write-throughs hold the CPU tier's
+        rows (see `Flows.check_reset`)."""
+        self.flows.check_reset(force=force)
 
     def tier_reset(self) -> None:
-        for cascade in self.cascades:
-            cascade.tier_reset()
+        """The CPU tier was reset: every write-through and promotion out is void."""
+        self.flows.reset()
 
     # -- promotion --------------------------------------------------------------------
 
@@ -173,71 +174,26 @@ class TierChain:
     ) -> dict[str, int]:
         """Read ``wanted`` (each from its ``source`` tier) into fresh slots; the request's
         ``head`` is never evicted for them. Returns the chunks promoted, by tier label."""
-        manager = self._manager
-        job = ("promote", next(self._jobs))
-        # No room for all: try a shorter run. One promotion that finds no room
-        # at all is one allocation failure, however many sizes it tried.
-        output = manager.prepare_store([*head, *wanted], job=job, count=False)
-        while output is None and len(wanted) > 1:
-            wanted = wanted[: len(wanted) // 2]
-            output = manager.prepare_store([*head, *wanted], job=job, count=False)
-        if output is None:
-            manager.count_allocation_failure()
+        sources = [s or 0 for s in source]
+        ticket = self.flows.reserve_promotion(head, wanted, sources, keep=Keep.LEADING_RUN)
+        if ticket is None:
             return {}  # no room in the CPU tier: the request recomputes
-        new = output.keys_to_store
-        ids = output.store_spec.chunk_ids.tolist()
-        tier_of: dict[OffloadKey, int] = {k: s or 0 for k, s in zip(wanted, source, strict=False)}
-        for key in new:  # a head chunk evicted since the lookup: tried in the first tier
-            tier_of.setdefault(key, 0)
-        filled = [False] * len(new)
+        loaded: set[OffloadKey] = set()
         try:
             for index, cascade in enumerate(self.cascades):
-                mine = [i for i, key in enumerate(new) if tier_of[key] == index]
+                mine = [i for i, s in enumerate(ticket.sources) if s == index]
                 if not mine:
                     continue
-                rows = [(new[i], self._row(ids[i])) for i in mine]
+                rows = [(ticket.keys[i], self._row(ticket.chunk_ids[i])) for i in mine]
                 for i, ok in zip(mine, await cascade.tier.read(rows), strict=True):
-                    filled[i] = ok
+                    if ok:
+                        loaded.add(ticket.keys[i])
         finally:
-            good = 0
-            while good < len(filled) and filled[good]:
-                good += 1
-            # Only while the job holds its keys: after a forced reset they may
-            # be another store's by now.
-            if manager.store_in_flight(job):
-                manager.complete_store(new[good:], success=False)  # frees their slots
-                manager.complete_store(job=job, success=True)  # the rest: the leading run
-            else:
-                good = 0
-            by_tier = self._count(new, tier_of, good, set(wanted))
-        self._write_up(new[:good], tier_of)
-        return by_tier
-
-    def _count(
-        self,
-        new: Sequence[OffloadKey],
-        tier_of: dict[OffloadKey, int],
-        good: int,
-        wanted: set[OffloadKey],
-    ) -> dict[str, int]:
-        """Count each tier's promotions; the chunks after the caller's ``start`` that
-        each gave, by label (a head chunk read back is the caller's hit already)."""
-        by_tier: dict[str, int] = {}
-        for index, cascade in enumerate(self.cascades):
-            gave = sum(1 for key in new[:good] if tier_of[key] == index)
-            lost = sum(1 for key in new[good:] if tier_of[key] == index)
-            cascade.promoted(gave, lost)
-            after_start = sum(1 for k in new[:good] if tier_of[k] == index and k in wanted)
-            if after_start:
-                by_tier[cascade.tier.label] = after_start
-        return by_tier
-
-    def _write_up(self, promoted: Sequence[OffloadKey], tier_of: dict[OffloadKey, int]) -> None:
-        """Write what a lower tier gave through to the tiers above it that lacked it."""
-        for index, cascade in enumerate(self.cascades[:-1]):
-            keys = tuple(k for k in promoted if tier_of[k] > index)
-            if keys:
+            settled = self.flows.settle_promotion(ticket, loaded)
+        for cascade, keys in zip(self.cascades, settled.write_up, strict=False):
+            if keys:  # a lower tier gave them: written through to this one, which lacked them
                 cascade.stored(keys)
+        return settled.by_tier
 
     # -- seeing state -----------------------------------------------------------------
 

@@ -62,7 +62,7 @@ from tiering.cpu.manager import (
     CPUOffloadingManager,
     LookupResult,
 )
-from tiering.integrations.vllm.cascade import SecondaryLink
+from tiering.integrations.vllm.link import SecondaryLink
 from tiering.policies import CachePolicy
 
 __all__ = ["TieringMetrics", "TieringOffloadingManager"]

@@ -8,9 +8,10 @@ so the tiering manager is never entered from another thread:
 
 - **Write-through.** A store that lands in the CPU tier (`landed`) pins its
   chunks (so nothing evicts them while their rows are read) and is handed to
-  the tier as a store job; the pins go when it finishes. While write-throughs
-  already pin half the CPU tier, what does not fit is not written and is
-  counted (``cascade_dropped``): the GPU path never waits for the tier.
+  the tier as a store job; the pins go when it finishes. A landed batch that
+  would take the write-throughs' pins past half the CPU tier is not written
+  (the whole batch, as in the engine) and is counted (``cascade_dropped``): the
+  GPU path never waits for the tier.
 - **Promotion.** A chunk the CPU tier misses is looked up in the tier (which
   answers ``RETRY`` until it knows); one it holds is promoted: at the end of
   the step (`on_schedule_end`) fresh CPU slots are allocated for the step's
@@ -23,6 +24,12 @@ so the tiering manager is never entered from another thread:
   late copy of theirs may still write a freed row, so nothing is promoted
   (lookups miss) and nothing is written through (counted as dropped).
 
+Every decision of these (what is pinned or dropped, the slots of a promotion
+and what it keeps, the fence, the counts) is `tiering.cpu.flows.Flows`'s, the
+same core the engine's `tiering.secondary.chain.TierChain` drives; the link is
+its shell on vLLM's polled calls: it submits the jobs, collects them, and
+answers vLLM's lookups.
+
 The CPU tier's rows are host memory the worker shares with the scheduler
 (`tiering.transfer.HostMemoryPool` in ``/dev/shm``); ``tier_factory`` builds
 the tier once that memory can be mapped (the worker registers after the
@@ -31,7 +38,6 @@ scheduler is built), and returns None until then.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -44,6 +50,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
 from vllm.v1.kv_offload.base import LookupResult, OffloadingEvent, OffloadKey, ReqContext
 from vllm.v1.kv_offload.tiering.base import SecondaryTierManager, TransferJob
 
+from tiering.cpu.flows import (
+    FlowCounts,
+    Flows,
+    Keep,
+    PromotionTicket,
+    WriteTicket,
+    default_pin_bound,
+)
 from tiering.cpu.manager import CPUOffloadingManager
 
 __all__ = ["CascadeMetrics", "SecondaryLink"]
@@ -88,21 +102,16 @@ class SecondaryLink:
         self._tier = tier
         self._factory: Callable[[], SecondaryTierManager | None] | None = tier_factory
         self.secondary: SecondaryTierManager | None = None
-        self._max_pinned = max(1, tier.capacity // 2)
-        self._ids = itertools.count()
-        self._writes: dict[int, int] = {}  # job id -> chunks pinned by it
-        self._pinned = 0
-        self._promotions: dict[int, tuple[OffloadKey, ...]] = {}  # job id -> keys
+        self.flows = Flows(tier, ("secondary",), pin_bound=default_pin_bound(tier.capacity))
+        self.flows.open_intake()
+        self._writes: dict[int, WriteTicket] = {}  # vLLM's job id -> the write-through
+        self._promotions: dict[int, PromotionTicket] = {}  # vLLM's job id -> the promotion
         self._promoting: set[OffloadKey] = set()  # queued or being read
         self._queued: dict[OffloadKey, ReqContext] = {}  # to promote at the step's end
         self._miss_once: set[OffloadKey] = set()  # no room, or did not load: recompute
-        # From a reset until vLLM says its flushed jobs ended (`on_reset_flushed`), a
-        # worker may still write freed slots: nothing is promoted or written through.
-        self._fenced = False
         #: Whether building the tier failed (logged; the CPU tier goes on alone).
         self.unavailable = False
-        self._counts = dict.fromkeys(CascadeMetrics.DOCS, 0)
-        self._reported = dict(self._counts)
+        self._reported = dict.fromkeys(CascadeMetrics.DOCS, 0)
         self._warned: tuple[int, ...] = (0, 0, 0)  # the losses last logged
         self._warned_at = -WARN_EVERY_S
 
@@ -124,7 +133,7 @@ class SecondaryLink:
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         """The answer for a chunk the CPU tier misses."""
-        if self._fenced or key in self._miss_once:
+        if self.flows.fenced or key in self._miss_once:
             return LookupResult.MISS
         if key in self._promoting:
             return LookupResult.RETRY
@@ -139,28 +148,21 @@ class SecondaryLink:
         return LookupResult.RETRY
 
     def landed(self, keys: list[OffloadKey], req_context: ReqContext) -> None:
-        """``keys`` became ready in the CPU tier: write them through."""
+        """``keys`` became ready in the CPU tier: write them through (or count them dropped:
+        fenced by a reset, or past the pins write-throughs may hold)."""
         secondary = self._ready()
         if secondary is None or not keys:
             return
-        if self._fenced:  # a late copy of a flushed job may still overwrite these rows
-            self._counts[CascadeMetrics.DROPPED] += len(keys)
+        ticket = self.flows.reserve_write(0, keys)
+        if ticket is None:
             return
-        room = self._max_pinned - self._pinned
-        if room < len(keys):  # the head of the prefix first: it is the most shared
-            self._counts[CascadeMetrics.DROPPED] += len(keys) - max(room, 0)
-            keys = keys[: max(room, 0)]
-            if not keys:
-                return
-        job_id = next(self._ids)
-        spec = self._tier.prepare_load(keys, job=("cascade", job_id), count=False)
-        self._writes[job_id] = len(keys)
-        self._pinned += len(keys)
+        self._writes[ticket.job.number] = ticket
+        self.flows.begin_write(ticket)  # the tier reads the rows until the job ends
         secondary.submit_store(
             TransferJob(
-                job_id=job_id,
-                keys=keys,
-                chunk_ids=spec.block_ids.astype(np.int64),
+                job_id=ticket.job.number,
+                keys=list(ticket.keys),
+                chunk_ids=np.asarray(ticket.chunk_ids, dtype=np.int64),
                 is_promotion=False,
                 req_context=req_context,
             )
@@ -183,25 +185,21 @@ class SecondaryLink:
     def _promote(
         self, secondary: SecondaryTierManager, keys: list[OffloadKey], req_context: ReqContext
     ) -> None:
-        tier = self._tier
-        wanted = [key for key in keys if not tier.holds(key)]
+        wanted = [key for key in keys if not self._tier.holds(key)]
         self._promoting.difference_update(set(keys) - set(wanted))
-        job_id = next(self._ids)
-        out = tier.prepare_store(wanted, job=("promote", job_id), count=False) if wanted else None
-        if out is None:
-            if wanted:
-                tier.count_allocation_failure()
-                self._counts[CascadeMetrics.PROMOTE_FAILED] += len(wanted)
-                self._miss_once.update(wanted)
-                self._promoting.difference_update(wanted)
+        if not wanted:
             return
-        new = tuple(out.keys_to_store)
-        self._promotions[job_id] = new
+        ticket = self.flows.reserve_promotion((), wanted, keep=Keep.EACH_LOADED)
+        if ticket is None:  # no room (counted): answered MISS next step, so vLLM recomputes
+            self._miss_once.update(wanted)
+            self._promoting.difference_update(wanted)
+            return
+        self._promotions[ticket.job.number] = ticket
         secondary.submit_load(
             TransferJob(
-                job_id=job_id,
-                keys=new,
-                chunk_ids=out.store_spec.block_ids.astype(np.int64),
+                job_id=ticket.job.number,
+                keys=ticket.keys,
+                chunk_ids=np.asarray(ticket.chunk_ids, dtype=np.int64),
                 is_promotion=True,
                 req_context=req_context,
             )
@@ -212,29 +210,19 @@ class SecondaryLink:
         secondary = self.secondary
         if secondary is None:
             return
-        tier = self._tier
         for result in secondary.get_finished_jobs():
-            job_id = result.job_id
-            pinned = self._writes.pop(job_id, None)
-            if pinned is not None:
-                tier.complete_load(job=("cascade", job_id))  # a no-op after a reset
-                self._pinned -= pinned
-                written = CascadeMetrics.WRITTEN if result.success else CascadeMetrics.FAILED
-                self._counts[written] += pinned
+            write = self._writes.pop(result.job_id, None)
+            if write is not None:
+                self.flows.settle_write(write, len(write.keys) if result.success else 0)
                 continue
-            keys = self._promotions.pop(job_id, None)
-            if keys is None:
-                continue
-            self._promoting.difference_update(keys)
-            if not tier.store_in_flight(("promote", job_id)):
-                continue  # reset since: the slots are another store's
-            loaded = set(keys) if result.success else set(result.successful_keys or ())
-            failed = [key for key in keys if key not in loaded]
-            tier.complete_store(failed, success=False)  # frees their slots
-            tier.complete_store(job=("promote", job_id), success=True)  # the rest
-            self._miss_once.update(failed)
-            self._counts[CascadeMetrics.PROMOTED] += len(keys) - len(failed)
-            self._counts[CascadeMetrics.PROMOTE_FAILED] += len(failed)
+            promotion = self._promotions.pop(result.job_id, None)
+            if promotion is not None:
+                loaded = promotion.keys if result.success else (result.successful_keys or ())
+                self._settle(promotion, set(loaded))
+
+    def _settle(self, promotion: PromotionTicket, loaded: set[OffloadKey]) -> None:
+        self._promoting.difference_update(promotion.keys)
+        self._miss_once.update(self.flows.settle_promotion(promotion, loaded).lost)
 
     def has_pending_work(self) -> bool:
         secondary = self.secondary
@@ -248,17 +236,21 @@ class SecondaryLink:
         if secondary is not None:
             secondary.drain_jobs()
             self.collect()
+        # Jobs the drain did not end are void: their rows are handed out again.
+        for write in self._writes.values():
+            self.flows.settle_write(write, 0)
+        for promotion in self._promotions.values():
+            self._settle(promotion, set())
+        self.flows.reset(fence=True)
         self._writes.clear()
-        self._pinned = 0
         self._promotions.clear()
         self._promoting.clear()
         self._queued.clear()
         self._miss_once.clear()
-        self._fenced = True
 
     def on_reset_flushed(self) -> None:
         """vLLM's workers reported every job in flight at the reset: rows are ours again."""
-        self._fenced = False
+        self.flows.reset_flushed()
 
     def on_new_request(self, req_context: ReqContext) -> None:
         if self.secondary is not None:
@@ -272,12 +264,17 @@ class SecondaryLink:
         if self.secondary is not None:
             yield from self.secondary.take_events()
 
+    def _counts(self) -> dict[str, int]:
+        """vLLM's counters, read from the flows' counts."""
+        return _metrics_of(self.flows.counts())
+
     def add_stats(self, stats: OffloadingConnectorStats) -> OffloadingConnectorStats:
-        self._warn_of_losses()
-        for name, count in self._counts.items():
+        counts = self._counts()
+        self._warn_of_losses(counts)
+        for name, count in counts.items():
             if count - self._reported[name]:
                 stats.increase_counter(name, count - self._reported[name])
-        self._reported = dict(self._counts)
+        self._reported = counts
         if self.secondary is not None:
             theirs = self.secondary.get_stats()
             if theirs is not None:
@@ -285,9 +282,9 @@ class SecondaryLink:
                 return merged
         return stats
 
-    def _warn_of_losses(self) -> None:
+    def _warn_of_losses(self, counts: dict[str, int]) -> None:
         """Say in vLLM's log, at most once a minute, what was not written or not promoted."""
-        lost = tuple(self._counts[name] for name in _LOSSES)
+        lost = tuple(counts[name] for name in _LOSSES)
         now = time.monotonic()
         if lost == self._warned or now < self._warned_at + WARN_EVERY_S:
             return
@@ -304,16 +301,29 @@ class SecondaryLink:
 
     def statistics(self) -> dict[str, int]:
         """The link's counts (chunks), and what write-throughs pin now."""
+        counts = self.flows.counts()
         return {
-            "cascade_written": self._counts[CascadeMetrics.WRITTEN],
-            "cascade_dropped": self._counts[CascadeMetrics.DROPPED],
-            "cascade_failed": self._counts[CascadeMetrics.FAILED],
-            "promoted": self._counts[CascadeMetrics.PROMOTED],
-            "promote_failed": self._counts[CascadeMetrics.PROMOTE_FAILED],
-            "cascade_pinned": self._pinned,
+            "cascade_written": counts.cascade_written,
+            "cascade_dropped": counts.cascade_dropped,
+            "cascade_failed": counts.cascade_failed,
+            "promoted": counts.promoted,
+            "promote_failed": counts.promote_failed + counts.promote_no_room,
+            "cascade_pinned": counts.cascade_pinned,
         }
 
     def shutdown(self) -> None:
         self._factory = None
         if self.secondary is not None:
             self.secondary.shutdown()
+
+
+def _metrics_of(counts: FlowCounts) -> dict[str, int]:
+    """`CascadeMetrics`' counters from a tier's `FlowCounts` (a chunk to promote that found
+    no room counts as failed, as one that did not load)."""
+    return {
+        CascadeMetrics.WRITTEN: counts.cascade_written,
+        CascadeMetrics.DROPPED: counts.cascade_dropped,
+        CascadeMetrics.FAILED: counts.cascade_failed,
+        CascadeMetrics.PROMOTED: counts.promoted,
+        CascadeMetrics.PROMOTE_FAILED: counts.promote_failed + counts.promote_no_room,
+    }
