@@ -113,14 +113,13 @@ async def test_all_threads_busy_until_the_deadline_is_overload_not_an_outage(
 ) -> None:
     keys = chunks.keys(2)
     async with RedisTier(redis_server.url, namespace, timeout_s=0.1, max_concurrency=1) as tier:
-        slots, _ = tier._limiters()  # white box: the one worker slot, held by "another call"
-        other_call = object()
-        await slots.acquire_on_behalf_of(other_call)
+        places = tier._calls._live  # white box: the one worker thread, held by "another call"
+        places.acquire()
         try:
             with anyio.fail_after(10):
                 assert await tier.contains(keys) == [False, False]
         finally:
-            slots.release_on_behalf_of(other_call)
+            places.release()
         s = tier.statistics()
         assert (s.busy_total, s.state, s.errors_total, s.timeouts_total) == (1, "up", 0, 0)
         assert s.round_trips_total == 0

@@ -111,3 +111,21 @@ def test_closed_admits_nothing_and_ignores_results() -> None:
 def test_bad_settings_are_refused(backoff: tuple[float, float], jitter: float) -> None:
     with pytest.raises(ConfigError):
         HealthGate(backoff, jitter=jitter)
+
+
+def test_health_is_up_down_or_backing_off_and_closed_is_the_lifecycles() -> None:
+    from tiering._state import Lifecycle, ResourceState
+
+    assert [s.value for s in TierState] == ["up", "down", "backing off"]
+    assert TierState.CLOSED is ResourceState.CLOSED  # the old spelling
+    life = Lifecycle("a tier", opened=True)
+    clock = Clock()
+    g = HealthGate((1.0, 8.0), jitter=0.0, clock=clock, life=life)
+    assert g.admit() is Admission.NORMAL
+    g.failed(Admission.NORMAL)
+    assert g.state is TierState.DOWN
+    life.begin_close()  # the tier closes: its gate admits nothing, and learns nothing
+    clock.now += 100.0
+    assert g.admit() is None
+    assert g.failed(Admission.PROBE) is False
+    assert g.state is ResourceState.CLOSED

@@ -28,6 +28,7 @@ from tiering._types import make_offload_key
 from tiering.secondary import ChunkCodec, RemoteNamespace, Verdict
 from tiering.secondary.redis.address import RedisAddress
 from tiering.secondary.redis.connection import Abandoned, Connection, ConnectionPool, Guard
+from tiering.secondary.redis.options import RedisOptions
 from tiering.secondary.redis.resp import command
 from tiering.secondary.redis.wire import RedisWire
 
@@ -100,12 +101,8 @@ def wire(server: ScriptedServer, timeout_s: float = 10.0) -> RedisWire:
         f"redis://127.0.0.1:{server.port}/0",
         f"redis://127.0.0.1:{server.port}/0",
         CODEC,
+        RedisOptions(timeout_s=timeout_s, connect_timeout_s=10.0, socket_read_size=4096),
         cluster=False,
-        timeout_s=timeout_s,
-        connect_timeout_s=10.0,
-        socket_read_size=4096,
-        max_batch=1024,
-        ttl_s=None,
     )
 
 

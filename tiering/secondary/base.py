@@ -41,9 +41,10 @@ checks each on every tier):
 from __future__ import annotations
 
 import abc
+import contextlib
 import enum
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import msgspec
@@ -51,6 +52,7 @@ from anyio.abc import AsyncResource
 
 from tiering._types import Medium, OffloadKey
 from tiering.secondary.codec import ChunkCodec, RemoteNamespace, Verdict
+from tiering.secondary.refusals import Unwritten, refused_reason
 
 __all__ = [
     "Abandoned",
@@ -84,7 +86,8 @@ class SecondaryStatistics(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     count `SecondaryTier.read` outcomes; bytes are payload bytes (rows), not
     headers. ``write_errors_total`` counts chunks handed to ``write`` that were
     not written, whatever the reason; ``write_errors_by_reason`` splits them
-    (they add up): ``down`` (answered without I/O while the tier was down),
+    (they add up; each reason is a `~tiering.secondary.refusals.Unwritten`):
+    ``down`` (answered without I/O while the tier was down),
     ``backing off`` (without I/O, the store having refused writes just before),
     ``busy``, ``timeout``, ``failed`` (the call failed: connection lost,
     protocol error), ``cancelled`` (the caller gave up), or ``refused <CODE>``
@@ -150,14 +153,15 @@ class SecondaryStatistics(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     effective_capacity_bytes: int | None = None
 
 
-#: Why chunks handed to `SecondaryTier.write` were not written (see `SecondaryStatistics`).
-UNWRITTEN_DOWN = "down"
-UNWRITTEN_BACKING_OFF = "backing off"
-UNWRITTEN_BUSY = "busy"
-UNWRITTEN_TIMEOUT = "timeout"
-UNWRITTEN_FAILED = "failed"
-UNWRITTEN_CANCELLED = "cancelled"
-UNWRITTEN_NODE_DOWN = "node down"
+#: Why chunks handed to `SecondaryTier.write` were not written (see `SecondaryStatistics`):
+#: the names of `Unwritten`'s members, kept from before it.
+UNWRITTEN_DOWN = Unwritten.DOWN
+UNWRITTEN_BACKING_OFF = Unwritten.BACKING_OFF
+UNWRITTEN_BUSY = Unwritten.BUSY
+UNWRITTEN_TIMEOUT = Unwritten.TIMEOUT
+UNWRITTEN_FAILED = Unwritten.FAILED
+UNWRITTEN_CANCELLED = Unwritten.CANCELLED
+UNWRITTEN_NODE_DOWN = Unwritten.NODE_DOWN
 
 
 class TierCounters:
@@ -229,7 +233,7 @@ class TierCounters:
         offered: int,
         row_bytes: int,
         *,
-        cause: str = UNWRITTEN_FAILED,
+        cause: Unwritten | str = Unwritten.FAILED,
         refused: Sequence[tuple[str, str]] = (),
     ) -> int:
         """Count a write of ``written`` of ``offered`` chunks; return it.
@@ -246,12 +250,23 @@ class TierCounters:
             by_reason = self.write_errors_by_reason
             for reason, message in refused:
                 self.refused(reason, message)
-                label = f"refused {reason}"
+                label = refused_reason(reason)
                 by_reason[label] = by_reason.get(label, 0) + 1
             rest = unwritten - len(refused)
             if rest > 0:
-                by_reason[cause] = by_reason.get(cause, 0) + rest
+                label = str(cause)  # the plain string: snapshots hold no enums
+                by_reason[label] = by_reason.get(label, 0) + rest
         return written
+
+    @contextlib.contextmanager
+    def cancelled_writes(self, offered: int, row_bytes: int) -> Iterator[None]:
+        """Around a write's wait: if it is cancelled (or raises), none of the ``offered``
+        chunks was written, each counted so (``cancelled``)."""
+        try:
+            yield
+        except BaseException:
+            self.written(0, offered, row_bytes, cause=Unwritten.CANCELLED)
+            raise
 
     def read(self, key: OffloadKey, verdict: Verdict | None, row_bytes: int) -> bool:
         """Count one chunk's read (``None``: a miss); whether it filled its buffer."""

@@ -62,12 +62,11 @@ Design note: values only key holders can write.
 - **Which MAC, and why.** The MAC bounds a keyed tier's speed: one thread
   MACs each value as it moves, and the unkeyed tier moves values faster than
   a hash runs. Hashes were too slow: HMAC-SHA256 (RFC 2104; OpenSSL's SHA-256
-  with the CPU's SHA instructions) ran at about 1.5 GB/s a core on this
-  project's machines, keyed BLAKE2b at half that, so a keyed tier ran at
-  0.35-0.71x of an unkeyed one. GMAC (NIST SP 800-38D: AES-GCM with an empty
-  plaintext and the payload as associated data) is a polynomial MAC
-  (GHASH) that OpenSSL runs on the CPU's carry-less multiply and AES
-  instructions, at about 7 GB/s a core there, releasing the GIL (Poly1305,
+  with the CPU's SHA instructions), and keyed BLAKE2b slower still, left a
+  keyed tier a fraction of an unkeyed one's speed. GMAC (NIST SP 800-38D:
+  AES-GCM with an empty plaintext and the payload as associated data) is a
+  polynomial MAC (GHASH) that OpenSSL runs on the CPU's carry-less multiply
+  and AES instructions, several times faster, releasing the GIL (Poly1305,
   as fast and as standard, did not release it in ``cryptography``). So
   values are written with **AES-256-GMAC** (`MacKind.AES_GMAC`) when the
   ``cryptography`` package is installed (the ``auth`` extra), else with
@@ -128,6 +127,7 @@ from typing import Any
 
 import msgspec
 
+from tiering._checks import check_int, is_int
 from tiering._types import OffloadKey
 from tiering.config import OffloadingConfig
 from tiering.errors import ConfigError, SpecError
@@ -193,12 +193,10 @@ class RemoteNamespace(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=T
             if not isinstance(value, str) or not value:
                 raise ConfigError(f"{owner}.{name} must be a non-empty string, got {value!r}")
         for name in ("row_bytes", "blocks_per_chunk"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{owner}.{name} must be a positive integer, got {value!r}")
+            check_int(f"{owner}.{name}", getattr(self, name), minimum=1)
         for name in ("page_bytes", "tokens_per_block"):
             values = getattr(self, name)
-            if any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in values):
+            if any(not is_int(v) or v < 1 for v in values):
                 raise ConfigError(
                     f"{owner}.{name} must hold positive integers, got {list(values)!r}"
                 )
@@ -261,25 +259,21 @@ def writable_row(buffer: Any, row_bytes: int) -> memoryview:
     view = memoryview(buffer)
     if view.readonly:
         raise SpecError("a read buffer must be writable, got a read-only buffer")
-    if not view.c_contiguous:
-        raise SpecError("a read buffer must be C-contiguous")
-    if view.nbytes != row_bytes:
-        raise SpecError(
-            f"a read buffer must hold exactly one row of {row_bytes} bytes, got {view.nbytes}"
-        )
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+    return _one_row(view, row_bytes, "a read buffer", "hold exactly")
 
 
 def payload_row(payload: Any, row_bytes: int) -> memoryview:
     """``payload`` as a contiguous byte memoryview of exactly ``row_bytes`` bytes (read
     only is fine); `SpecError` (a programming error) when it is not one."""
-    view = memoryview(payload)
+    return _one_row(memoryview(payload), row_bytes, "a chunk payload", "be exactly")
+
+
+def _one_row(view: memoryview, row_bytes: int, what: str, verb: str) -> memoryview:
+    """``view`` as bytes if it is one contiguous row; `SpecError` naming ``what`` if not."""
     if not view.c_contiguous:
-        raise SpecError("a chunk payload must be C-contiguous")
+        raise SpecError(f"{what} must be C-contiguous")
     if view.nbytes != row_bytes:
-        raise SpecError(
-            f"a chunk payload must be exactly one row of {row_bytes} bytes, got {view.nbytes}"
-        )
+        raise SpecError(f"{what} must {verb} one row of {row_bytes} bytes, got {view.nbytes}")
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 

@@ -1,4 +1,4 @@
-"""Whether a secondary tier may try the network now: up, down with backoff, or closed.
+"""Whether a secondary tier may try the network now: up, or down with backoff.
 
 Design note: a remote store that went away must cost the engine nothing, and
 must not be hammered by every lookup of every request while it is away. So
@@ -10,7 +10,15 @@ little jitter, so many engines do not retry in step), up to a ceiling.
 
 `HealthGate` is the synchronous core of that: it decides and counts, and never
 waits or does I/O. The tiers call `admit` before a call, then exactly one of
-`succeeded`, `failed` or `release` after it.
+`succeeded`, `failed` or `release` after it. A tier's writes the store refused
+back off on a gate of their own, whose ``down`` the tier reports as ``backing
+off`` (`TierState.BACKING_OFF`).
+
+Closed is not a health: it is the tier's lifecycle (`tiering._state.Lifecycle`).
+A gate given the tier's lifecycle admits nothing once the tier is closing, and
+a call that ends after that changes nothing; a closed tier reports its
+lifecycle's ``closed`` (``TierState.CLOSED`` is that state, kept for the old
+spelling).
 
 A store of many nodes (a Redis Cluster) is not one server: a node that is away
 must cost only its own keys. `NodeGates` keeps a `HealthGate` per node that
@@ -23,12 +31,14 @@ every node is.
 from __future__ import annotations
 
 import enum
+import functools
 import random
 import threading
 import time
 from collections.abc import Callable, Collection, Hashable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
+from tiering._state import Lifecycle, ResourceState
 from tiering.errors import ConfigError
 
 __all__ = ["Admission", "HealthGate", "NodeGates", "TierState"]
@@ -37,11 +47,14 @@ N = TypeVar("N", bound=Hashable)
 
 
 class TierState(enum.Enum):
-    """The state a secondary tier reports in its statistics."""
+    """The health a secondary tier reports in its statistics (``state``, ``write_state``)."""
 
     UP = "up"
     DOWN = "down"
-    CLOSED = "closed"
+    #: The tier's writes, after the store refused some (its write gate is down).
+    BACKING_OFF = "backing off"
+    #: Not a member: a closed tier reports its lifecycle's state, this one.
+    CLOSED = enum.nonmember(ResourceState.CLOSED)
 
 
 class Admission(enum.Enum):
@@ -56,7 +69,8 @@ class HealthGate:
 
     ``backoff_s`` is ``(first delay, longest delay)`` in seconds; delay ``n``
     (after ``n`` failures in a row) is ``first * 2**(n-1)``, capped, then
-    shortened by up to ``jitter`` of itself at random.
+    shortened by up to ``jitter`` of itself at random. ``life``: the lifecycle
+    of the tier the gate guards (the gate's own by default, closed by `close`).
     """
 
     def __init__(
@@ -66,6 +80,7 @@ class HealthGate:
         jitter: float = 0.1,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
+        life: Lifecycle | None = None,
     ) -> None:
         first, longest = backoff_s
         if not 0 < first <= longest:
@@ -79,18 +94,31 @@ class HealthGate:
         self._jitter = jitter
         self._clock = clock
         self._rng = rng or random.Random()
-        self.state = TierState.UP
+        self._life = life if life is not None else Lifecycle("the health gate", opened=True)
+        self._state = TierState.UP
         #: Failures in a row (0 while up).
         self.failures = 0
         #: When the next probe may run (clock time; meaningful while down).
         self.retry_at = 0.0
         self._probing = False
 
+    @property
+    def state(self) -> TierState | ResourceState:
+        """Up or down; ``ResourceState.CLOSED`` (`TierState.CLOSED`) once its tier is closing."""
+        return ResourceState.CLOSED if self._life.closed else self._state
+
+    @property
+    def due(self) -> bool:
+        """Down, and its retry time has come (a probe may go)."""
+        return self._state is TierState.DOWN and self._clock() >= self.retry_at
+
     def admit(self) -> Admission | None:
         """May a call do I/O now? ``None``: answer at once without I/O (down, or closed)."""
-        if self.state is TierState.UP:
+        if self._life.closed:
+            return None
+        if self._state is TierState.UP:
             return Admission.NORMAL
-        if self.state is TierState.CLOSED or self._probing or self._clock() < self.retry_at:
+        if self._probing or not self.due:
             return None
         self._probing = True
         return Admission.PROBE
@@ -99,8 +127,8 @@ class HealthGate:
         """The call reached the store. True when that brought the tier back up."""
         if admission is Admission.PROBE:
             self._probing = False
-        if self.state is TierState.DOWN:
-            self.state = TierState.UP
+        if self._state is TierState.DOWN:
+            self._state = TierState.UP
             self.failures = 0
             return True
         return False
@@ -112,12 +140,12 @@ class HealthGate:
         changes nothing: only the first failure and failed probes move the
         retry time.
         """
-        if self.state is TierState.CLOSED:
+        if self._life.closed:
             return False
-        went_down = self.state is TierState.UP
+        went_down = self._state is TierState.UP
         if went_down or admission is Admission.PROBE:
             self._probing = False
-            self.state = TierState.DOWN
+            self._state = TierState.DOWN
             self.failures += 1
             self.retry_at = self._clock() + self.delay(self.failures)
         return went_down
@@ -128,7 +156,8 @@ class HealthGate:
             self._probing = False
 
     def close(self) -> None:
-        self.state = TierState.CLOSED
+        """Admit nothing from now on (closes the gate's lifecycle: its tier's, if given)."""
+        self._life.close_now()
         self._probing = False
 
     def delay(self, failures: int) -> float:
@@ -152,27 +181,20 @@ class NodeGates(Generic[N]):
     whose time has come (the caller probes each, then settles it).
     """
 
-    def __init__(
-        self,
-        backoff_s: tuple[float, float] = (0.05, 5.0),
-        *,
-        jitter: float = 0.1,
-        clock: Callable[[], float] = time.monotonic,
-        rng: random.Random | None = None,
-    ) -> None:
-        HealthGate(backoff_s, jitter=jitter)  # checks the options once, here
-        self._backoff_s = backoff_s
-        self._jitter = jitter
-        self._clock = clock
-        self._rng = rng or random.Random()
+    def __init__(self, backoff_s: tuple[float, float] = (0.05, 5.0), **options: Any) -> None:
+        """``backoff_s`` and ``options`` (``jitter``, ``clock``, ``rng``): `HealthGate`'s,
+        for each node's gate."""
+        options.setdefault("rng", random.Random())  # one for all the nodes
+        self._life = Lifecycle("the node gates", opened=True)
+        self._new_gate = functools.partial(HealthGate, backoff_s, life=self._life, **options)
+        self._new_gate()  # checks the options once, here
         self._gates: dict[N, HealthGate] = {}
         self._lock = threading.Lock()
-        self._closed = False
 
     def admit(self, node: N) -> Admission | None:
         """May a call do I/O on ``node`` now? ``None``: the node is down (or the gates closed)."""
         with self._lock:
-            if self._closed:
+            if self._life.closed:
                 return None
             gate = self._gates.get(node)
             return Admission.NORMAL if gate is None else gate.admit()
@@ -180,8 +202,6 @@ class NodeGates(Generic[N]):
     def take_due(self) -> list[tuple[N, Admission]]:
         """The nodes that are down and due a probe, each admitted as that probe."""
         with self._lock:
-            if self._closed:
-                return []
             due = [(node, gate.admit()) for node, gate in self._gates.items()]
             return [(node, admission) for node, admission in due if admission is not None]
 
@@ -199,13 +219,11 @@ class NodeGates(Generic[N]):
     def failed(self, node: N, admission: Admission) -> bool:
         """``node`` could not be reached. True when that took it down."""
         with self._lock:
-            if self._closed:
+            if self._life.closed:
                 return False
             gate = self._gates.get(node)
             if gate is None:
-                gate = self._gates[node] = HealthGate(
-                    self._backoff_s, jitter=self._jitter, clock=self._clock, rng=self._rng
-                )
+                gate = self._gates[node] = self._new_gate()
             return gate.failed(admission)
 
     def release(self, node: N, admission: Admission) -> None:
@@ -234,20 +252,18 @@ class NodeGates(Generic[N]):
         with self._lock:
             if not nodes:
                 return False
-            now = self._clock()
             for node in nodes:
                 gate = self._gates.get(node)
                 if gate is None or gate.state is not TierState.DOWN:
                     return False
-                if waiting and now >= gate.retry_at:
+                if waiting and gate.due:
                     return False
             return True
 
     def close(self) -> None:
+        """Admit nothing from now on, on any node (their gates share this lifecycle)."""
         with self._lock:
-            self._closed = True
-            for gate in self._gates.values():
-                gate.close()
+            self._life.close_now()
 
     def __repr__(self) -> str:
         return f"<NodeGates [{len(self.down())} down]>"

@@ -18,13 +18,12 @@ from collections.abc import Sequence
 import anyio
 import anyio.lowlevel
 
+from tiering._checks import check_int, check_real
+from tiering._closing import AsyncLifecycle
+from tiering._state import ResourceState
 from tiering._types import Medium, OffloadKey
-from tiering.errors import ConfigError, ResourceClosedError
+from tiering.errors import ConfigError
 from tiering.secondary.base import (
-    UNWRITTEN_CANCELLED,
-    UNWRITTEN_DOWN,
-    UNWRITTEN_FAILED,
-    UNWRITTEN_TIMEOUT,
     Locality,
     ReadItem,
     SecondaryStatistics,
@@ -34,6 +33,7 @@ from tiering.secondary.base import (
 )
 from tiering.secondary.codec import ChunkCodec, RemoteNamespace, writable_row
 from tiering.secondary.health import TierState
+from tiering.secondary.refusals import Unwritten
 
 __all__ = ["MemoryStore", "MemoryTier"]
 
@@ -47,10 +47,8 @@ class MemoryStore:
     """
 
     def __init__(self, capacity: int | None = None) -> None:
-        if capacity is not None and capacity < 1:
-            raise ConfigError(
-                f"capacity must be a positive number of values or None, got {capacity}"
-            )
+        if capacity is not None:
+            check_int("capacity", capacity, minimum=1)
         self.capacity = capacity
         self.evictions = 0
         self._values: OrderedDict[bytes, bytes] = OrderedDict()
@@ -115,8 +113,7 @@ class MemoryTier(SecondaryTier):
     ) -> None:
         if store is not None and capacity is not None:
             raise ConfigError("give either a shared store or a capacity, not both")
-        if not timeout_s > 0:
-            raise ConfigError(f"timeout_s must be positive, got {timeout_s!r}")
+        check_real("timeout_s", timeout_s, minimum=0.0, inclusive=False)
         self.codec = ChunkCodec(namespace)
         self.store = store if store is not None else MemoryStore(capacity)
         self.timeout_s = timeout_s
@@ -124,7 +121,8 @@ class MemoryTier(SecondaryTier):
         self.medium = medium
         self.label = label
         self._counters = TierCounters()
-        self._state = TierState.UP
+        self._life = AsyncLifecycle("the memory tier", opened=True)
+        self._state = TierState.UP  # its health: up or down
         self._available = True
         self._fail_next = 0
         self._fail_message = ""
@@ -167,7 +165,7 @@ class MemoryTier(SecondaryTier):
     # -- the contract -----------------------------------------------------------
 
     async def contains(self, keys: Sequence[OffloadKey]) -> list[bool]:
-        self._check_open()
+        self._life.check_open()
         c = self._counters
         c.contains_calls += 1
         if not keys:  # nothing to ask: no round trip, but still a checkpoint
@@ -178,18 +176,15 @@ class MemoryTier(SecondaryTier):
         return c.found([self.store.exists(self.codec.remote_key(k)) for k in keys])
 
     async def write(self, items: Sequence[WriteItem]) -> int:
-        self._check_open()
+        self._life.check_open()
         values = [(self.codec.remote_key(k), self.codec.encode(k, row)) for k, row in items]
         c = self._counters
         c.write_calls += 1
         if not values:
             await anyio.lowlevel.checkpoint()
             return 0
-        try:
+        with c.cancelled_writes(len(values), self.row_bytes):
             cause = await self._unreachable()
-        except BaseException:  # cancelled: none of them written, and each counted so
-            c.written(0, len(values), self.row_bytes, cause=UNWRITTEN_CANCELLED)
-            raise
         if cause is not None:
             return c.written(0, len(values), self.row_bytes, cause=cause)
         if self._refusing is not None:
@@ -200,7 +195,7 @@ class MemoryTier(SecondaryTier):
         return c.written(len(values), len(values), self.row_bytes)
 
     async def read(self, items: Sequence[ReadItem]) -> list[bool]:
-        self._check_open()
+        self._life.check_open()
         views = [writable_row(buffer, self.row_bytes) for _, buffer in items]
         c = self._counters
         c.read_calls += 1
@@ -217,49 +212,48 @@ class MemoryTier(SecondaryTier):
             filled.append(c.read(key, verdict, self.row_bytes))
         return filled
 
+    @property
+    def state(self) -> TierState | ResourceState:
+        """Up or down; ``closed`` (its lifecycle's) once closing."""
+        return ResourceState.CLOSED if self._life.closed else self._state
+
     def statistics(self) -> SecondaryStatistics:
-        return self._counters.snapshot(self.name, self._state.value)
+        return self._counters.snapshot(self.name, self.state.value)
 
     async def aclose(self) -> None:
-        self._state = TierState.CLOSED
-        self.resume()
-        await anyio.lowlevel.checkpoint()
+        if not await self._life.begin_aclose():
+            return
+        self.resume()  # calls paused now end, as misses
+        self._life.end_close()
 
     # -- internals --------------------------------------------------------------
 
-    def _is_closed(self) -> bool:
-        return self._state is TierState.CLOSED
-
-    def _check_open(self) -> None:
-        if self._is_closed():
-            raise ResourceClosedError(f"{self!r} is closed")
-
-    async def _unreachable(self) -> str | None:
+    async def _unreachable(self) -> Unwritten | None:
         """One "round trip": ``None`` when the store answers, else why not (counted):
         away (``down``), paused too long (``timeout``) or failing (``failed``)."""
         c = self._counters
         await anyio.lowlevel.checkpoint()  # a store in memory answers at once: still yield
-        if self._is_closed():
-            return UNWRITTEN_DOWN  # closed while this call yielded: a miss, not an error
+        if self._life.closed:
+            return Unwritten.DOWN  # closed while this call yielded: a miss, not an error
         if not self._available:
             c.unavailable_total += 1
-            return UNWRITTEN_DOWN
+            return Unwritten.DOWN
         if self._pause_requested:
             if self._paused is None:
                 self._paused = anyio.Event()
             with anyio.move_on_after(self.timeout_s):
                 await self._paused.wait()
-            if self._is_closed():
-                return UNWRITTEN_DOWN  # closed while this call waited: a miss, not an error
+            if self._life.closed:
+                return Unwritten.DOWN  # closed while this call waited: a miss, not an error
             if self._pause_requested:
                 c.timeouts_total += 1
                 self._failed(f"TimeoutError: no answer within {self.timeout_s} s")
-                return UNWRITTEN_TIMEOUT
+                return Unwritten.TIMEOUT
         c.round_trips_total += 1
         if self._fail_next > 0:
             self._fail_next -= 1
             self._failed(self._fail_message)
-            return UNWRITTEN_FAILED
+            return Unwritten.FAILED
         if self._state is TierState.DOWN:
             self._state = TierState.UP
             c.reconnects_total += 1
@@ -273,7 +267,7 @@ class MemoryTier(SecondaryTier):
     def __repr__(self) -> str:
         c = self._counters
         return (
-            f"<MemoryTier [{self._state.value}; {len(self.store)} values, "
+            f"<MemoryTier [{self.state.value}; {len(self.store)} values, "
             f"{c.hits_total} hits, {c.misses_total} misses, {c.reads_total} read, "
             f"{c.writes_total} written, {c.rejected_total} rejected, {c.errors_total} errors]>"
         )

@@ -31,6 +31,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any, NoReturn
 
+from tiering._state import Lifecycle
 from tiering.secondary.base import Abandoned, Guard
 from tiering.secondary.redis.address import RedisAddress
 from tiering.secondary.redis.failures import error_from_reply, errors
@@ -419,14 +420,14 @@ class ConnectionPool:
         }
         self._idle: list[Connection] = []
         self._lock = threading.Lock()
-        self._closed = False
+        self._life = Lifecycle("the connection pool", opened=True)
         self.created = 0
 
     def get(self) -> Connection:
         """An idle connection in step, or a new one (connected: redis-py's error if not)."""
         while True:
             with self._lock:
-                if self._closed:
+                if self._life.closed:  # a call that outlived the tier: the store is away
                     raise errors().rx.ConnectionError("the connection pool is closed")
                 connection = self._idle.pop() if self._idle else None
             if connection is None:
@@ -443,7 +444,7 @@ class ConnectionPool:
     def release(self, connection: Connection) -> None:
         """Give ``connection`` back: kept if in step and the pool is open, else closed."""
         with self._lock:
-            if connection.reusable and not self._closed:
+            if connection.reusable and not self._life.closed:
                 self._idle.append(connection)
                 return
         connection.close()
@@ -451,7 +452,7 @@ class ConnectionPool:
     def close(self) -> None:
         """Close the idle connections; those in use are closed when released."""
         with self._lock:
-            self._closed = True
+            self._life.close_now()
             idle, self._idle = self._idle, []
         for connection in idle:
             connection.close()

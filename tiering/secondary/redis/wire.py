@@ -22,14 +22,8 @@ or ``ASK`` reply (the cluster is resharding) is a miss, counted, and the slot
 map is refreshed before the next call.
 
 Nodes, one at a time: on a cluster, a node that cannot be reached takes only
-its own slots down (`NodeGates`): its keys miss and its writes are dropped
-(``node down``) without I/O, while every other node is sent its commands as
-before. When a down node's retry time comes, the call that takes the probe
-asks the node (``CLUSTER INFO``); it is up again when it answers that it
-serves its slots (``cluster_state:ok``). If it does not, the slot map is
-refreshed (``CLUSTER SLOTS``: a replica promoted in its place now holds its
-slots, and is sent them in this very call). So a node that is away costs the
-calls of the other nodes at most one wait per probe.
+its own slots down, the other nodes being served as before
+(`tiering.secondary.redis.cluster`).
 
 What redis-py still does, and why: the cluster's slot map (``RedisCluster``:
 discovery, ``MOVED`` refreshes), the exception classes the tier's errors are
@@ -43,17 +37,22 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
+from tiering._state import Lifecycle
 from tiering._types import OffloadKey
 from tiering.errors import ResourceClosedError
 from tiering.secondary.base import describe
 from tiering.secondary.codec import ChunkCodec, Verdict
 from tiering.secondary.health import Admission, NodeGates
 from tiering.secondary.redis.address import RedisAddress
+from tiering.secondary.redis.answer import Answer, Node, Row, Work
+from tiering.secondary.redis.cluster import ClusterNodes
 from tiering.secondary.redis.connection import Abandoned, Connection, ConnectionPool, Guard
 from tiering.secondary.redis.failures import config_error, error_from_reply, errors
+from tiering.secondary.redis.options import RedisOptions
 from tiering.secondary.redis.resp import ROUTED, ErrorReply, command
+from tiering.secondary.refusals import Fault, server_fault
 
 logger = logging.getLogger(__name__)
 
@@ -73,54 +72,6 @@ def _thread_buffer(name: str, size: int) -> memoryview:
     return memoryview(buffer)
 
 
-#: One chunk of a call: its key, its remote key, and its row (``None`` for ``contains``).
-Row = tuple[OffloadKey, bytes, Any]
-#: A cluster node: its host and port.
-Node = tuple[str, int]
-
-
-class Answer(Generic[T]):
-    """What a worker thread did: a value per row (``None``: no answer), errors, trips."""
-
-    __slots__ = (
-        "errors",
-        "moved",
-        "node_down",
-        "node_failures",
-        "nodes_back",
-        "refused",
-        "round_trips",
-        "stuck",
-        "timed_out",
-        "unavailable",
-        "values",
-    )
-
-    def __init__(self, rows: int) -> None:
-        self.values: list[T | None] = [None] * rows
-        self.round_trips = 0
-        #: What made the call fail (the store could not answer it as a whole).
-        self.errors: list[str] = []
-        #: ``(reason, message)`` per command the server refused (``OOM``, ``READONLY``, ...).
-        self.refused: list[tuple[str, str]] = []
-        #: How many of those say a key's slot moved (not the server refusing writes).
-        self.moved = 0
-        #: Why the store could not be reached, if it could not (the rest is unanswered).
-        self.unavailable: str | None = None
-        #: Whether that was a socket timing out.
-        self.timed_out = False
-        #: Rows not answered because their cluster node is down (or went down in this call).
-        self.node_down: list[int] = []
-        #: ``(what failed, whether it timed out)`` per cluster node that failed in this call.
-        self.node_failures: list[tuple[str, bool]] = []
-        #: Cluster nodes this call found back up.
-        self.nodes_back = 0
-        #: The cluster node the call waits on now (if the call times out: the one to blame).
-        self.stuck: Node | None = None
-
-
-#: What a call does in its thread: ``work(guard, answer, rows, batch)``.
-Work = Callable[[Guard, "Answer[T]", list[Row], list[int]], None]
 #: Sends the commands of some rows on a connection: ``send(connection, positions)``.
 Send = Callable[[Connection, list[int]], None]
 #: Reads the reply to one row's command: ``receive(connection, position)``.
@@ -172,51 +123,46 @@ class RedisWire:
         url: str,
         shown_url: str,
         codec: ChunkCodec,
+        options: RedisOptions,
         *,
         cluster: bool | None,
-        timeout_s: float,
-        connect_timeout_s: float,
-        socket_read_size: int,
-        max_batch: int,
-        ttl_s: float | None,
-        backoff_s: tuple[float, float] = (0.05, 5.0),
     ) -> None:
         self.address = address
         self._url = url  # for redis-py (the cluster's slot map, `client`)
         self.url = shown_url
         self.codec = codec
+        self.options = options
         #: Whether the server is a Redis Cluster (``None`` until the first connection tells).
         self.cluster = cluster
-        self.timeout_s = timeout_s
-        self.connect_timeout_s = connect_timeout_s
-        self.socket_read_size = socket_read_size
-        self.max_batch = max_batch
-        self.ttl_s = ttl_s
+        self._life = Lifecycle(f"the Redis tier at {shown_url}", opened=True)
         self._lock = threading.Lock()
         self._setup_lock = threading.Lock()  # one thread finds out what the server is
-        self._closed = False
         self._pools: dict[tuple[str, int], ConnectionPool] = {}
-        self._slot_map: Any = None  # redis-py's RedisCluster, on a cluster
         self._client: Any = None  # redis-py's client of `client`
         self._ready = False
-        self._refresh_slots = False  # set when the cluster's slot map is stale
-        #: The health of each cluster node (only those that failed are tracked).
-        self.nodes: NodeGates[Node] = NodeGates(backoff_s)
-        self._masters: frozenset[Node] = frozenset()  # the nodes that hold slots
+        self.cluster_nodes = ClusterNodes(shown_url, options.timeout_s, options.backoff_s)
+
+    @property
+    def nodes(self) -> NodeGates[Node]:
+        """The health of each cluster node (only those that failed are tracked)."""
+        return self.cluster_nodes.gates
+
+    @nodes.setter
+    def nodes(self, gates: NodeGates[Node]) -> None:
+        self.cluster_nodes.gates = gates
 
     # -- setting up ----------------------------------------------------------------
 
     def _pool(self, address: RedisAddress) -> ConnectionPool:
         with self._lock:
-            if self._closed:
-                raise ResourceClosedError(f"the Redis tier at {self.url} is closed")
+            self._life.check_open()
             pool = self._pools.get((address.host, address.port))
             if pool is None:
                 pool = self._pools[address.host, address.port] = ConnectionPool(
                     address,
-                    timeout_s=self.timeout_s,
-                    connect_timeout_s=self.connect_timeout_s,
-                    read_size=self.socket_read_size,
+                    timeout_s=self.options.timeout_s,
+                    connect_timeout_s=self.options.connect_s,
+                    read_size=self.options.socket_read_size,
                 )
             return pool
 
@@ -232,11 +178,10 @@ class RedisWire:
             if self.cluster:
                 slot_map = self._redis_py_client()
                 with self._lock:
-                    if self._closed:
+                    if self._life.closed:
                         slot_map.close()
-                        raise ResourceClosedError(f"the Redis tier at {self.url} is closed")
-                    self._slot_map = slot_map
-                self._masters = _masters(slot_map)
+                    self._life.check_open()
+                    self.cluster_nodes.attach(slot_map)
             self._ready = True
 
     def _info(self, address: RedisAddress, *command: bytes) -> bytes | None:
@@ -271,8 +216,8 @@ class RedisWire:
         from redis.retry import Retry
 
         options: dict[str, Any] = {
-            "socket_timeout": self.timeout_s,
-            "socket_connect_timeout": self.connect_timeout_s,
+            "socket_timeout": self.options.timeout_s,
+            "socket_connect_timeout": self.options.connect_s,
             "retry": Retry(NoBackoff(), 0),
             "client_name": "tiering",
         }
@@ -292,10 +237,9 @@ class RedisWire:
         """
         self._setup()
         if self.cluster:
-            return self._slot_map
+            return self.cluster_nodes.slot_map
         with self._lock:
-            if self._closed:
-                raise ResourceClosedError(f"the Redis tier at {self.url} is closed")
+            self._life.check_open()
             if self._client is None:
                 self._client = self._redis_py_client()
             return self._client
@@ -303,9 +247,9 @@ class RedisWire:
     def close(self) -> None:
         """Close every connection; idempotent. Calls after this fail as closed."""
         with self._lock:
-            self._closed = True
+            self._life.close_now()
             pools, self._pools = list(self._pools.values()), {}
-            clients = [c for c in (self._slot_map, self._client) if c is not None]
+            clients = [c for c in (self.cluster_nodes.slot_map, self._client) if c is not None]
         self.nodes.close()
         for pool in pools:
             pool.close()
@@ -340,16 +284,16 @@ class RedisWire:
         try:
             self._setup()
             if self.cluster:
-                self._check_nodes(answer)
-            for start in range(0, len(rows), self.max_batch):
-                batch = list(range(start, min(len(rows), start + self.max_batch)))
-                work(guard, answer, rows, batch)
+                self.cluster_nodes.check(answer, self._ping)
+            step = self.options.max_batch
+            for start in range(0, len(rows), step):
+                work(guard, answer, rows, list(range(start, min(len(rows), start + step))))
         except Abandoned:
             pass  # nobody waits for this answer any more
         except e.unavailable as exc:
             answer.unavailable = describe(exc)
             answer.timed_out = isinstance(exc, e.timeout)
-            self._refresh_slots = True
+            self.cluster_nodes.stale = True
         except e.any as exc:
             answer.errors.append(describe(exc))
         except ResourceClosedError:
@@ -370,12 +314,13 @@ class RedisWire:
         own rows with it.
         """
         routes: list[tuple[Node | None, ConnectionPool, list[int]]]
+        cluster = self.cluster_nodes
         if not self.cluster:
             routes = [(None, self._pool(self.address), batch)]
         else:
             routes = [
                 (where, self._pool(self.address.at(*where)), positions)
-                for where, positions in self.route(rows, batch, answer)
+                for where, positions in cluster.route(rows, batch, answer)
             ]
         e = errors()
         taken: list[tuple[Node | None, Admission, ConnectionPool, Connection, list[int]]] = []
@@ -392,7 +337,7 @@ class RedisWire:
                 except e.unavailable as exc:
                     if node is None:
                         raise
-                    self._node_failed(answer, node, admission, positions, exc)
+                    cluster.failed(answer, node, admission, positions, exc)
                     continue
                 except BaseException:
                     if node is not None:
@@ -407,7 +352,7 @@ class RedisWire:
                     connection.close()
                     taken.pop()
                     pool.release(connection)
-                    self._node_failed(answer, node, admission, positions, exc)
+                    cluster.failed(answer, node, admission, positions, exc)
             answer.stuck = None
             answer.round_trips += len(taken)
             for node, admission, _, connection, positions in taken:
@@ -421,13 +366,10 @@ class RedisWire:
                     if node is None:
                         raise
                     connection.close()
-                    self._node_failed(answer, node, admission, positions[done:], exc)
+                    cluster.failed(answer, node, admission, positions[done:], exc)
                 else:
-                    if node is not None and self.nodes.succeeded(node, admission):
-                        answer.nodes_back += 1
-                        logger.warning(
-                            "Redis tier at %s: node %s:%d answers again", self.url, *node
-                        )
+                    if node is not None:
+                        cluster.answered(answer, node, admission)
                 settled += 1
             answer.stuck = None
         finally:
@@ -437,68 +379,6 @@ class RedisWire:
                     if unsettled is not None:
                         self.nodes.release(unsettled, admitted)
                 pool.release(connection)  # kept only if in step (no byte read past the last)
-
-    def route(
-        self, rows: list[Row], batch: list[int], answer: Answer[Any]
-    ) -> list[tuple[Node, list[int]]]:
-        """(node, positions) per cluster node that holds ``rows[batch]``.
-
-        A row whose slot no node holds (``cluster-require-full-coverage no``)
-        goes in ``answer.node_down``.
-        """
-        groups: dict[Node, list[int]] = {}
-        uncovered = errors().rx.SlotNotCoveredError
-        for position in batch:
-            try:
-                node = self._slot_map.get_node_from_key(rows[position][1])
-            except uncovered:
-                answer.node_down.append(position)
-                continue
-            groups.setdefault((str(node.host), int(node.port)), []).append(position)
-        return list(groups.items())
-
-    # -- the nodes of a cluster ------------------------------------------------------
-
-    def _check_nodes(self, answer: Answer[Any]) -> None:
-        """Before a call on a cluster: refresh a stale slot map, probe the nodes due a probe.
-
-        A probe is a ``CLUSTER INFO`` (`_ping`). A node that does not answer it,
-        or says it does not serve its slots, may have been failed
-        over: the slot map is refreshed then (``CLUSTER SLOTS``, once per call),
-        and a node that holds no slots any more is forgotten, its slots going
-        to the replica promoted in its place. The refresh follows the probe, so
-        a node that does not answer at all keeps a caller waiting once (the
-        probe, within the call's timeout), never twice.
-        """
-        if self._refresh_slots:
-            self._refresh_slots = False
-            self._refresh_map()
-        probes = self.nodes.take_due()
-        refreshed = False
-        e = errors()
-        for i, (node, admission) in enumerate(probes):
-            answer.stuck = node
-            try:
-                try:
-                    self._ping(node)
-                except e.unavailable as exc:
-                    if not refreshed:
-                        refreshed = True
-                        self._refresh_map()  # a replica may hold its slots now
-                    if node in self._masters:
-                        self._node_failed(answer, node, admission, [], exc)
-                else:
-                    if self.nodes.succeeded(node, admission):
-                        answer.nodes_back += 1
-                        logger.warning(
-                            "Redis tier at %s: node %s:%d answers again", self.url, *node
-                        )
-            except BaseException:
-                for later, theirs in probes[i:]:
-                    self.nodes.release(later, theirs)
-                raise
-            finally:
-                answer.stuck = None
 
     def _ping(self, node: Node) -> None:
         """Probe one node on a connection of the tier's own; redis-py's error if it fails.
@@ -515,96 +395,45 @@ class RedisWire:
                 f"node {node[0]}:{node[1]} does not serve its slots yet (cluster_state:fail)"
             )
 
-    def _refresh_map(self) -> None:
-        """Read the slot map again (redis-py: ``CLUSTER SLOTS``); forget nodes without slots."""
-        self._slot_map.nodes_manager.initialize()
-        self._masters = _masters(self._slot_map)
-        for node in self.nodes.retain(self._masters):
-            logger.warning(
-                "Redis tier at %s: node %s:%d holds no slots any more (failed over?)",
-                self.url,
-                *node,
-            )
-
-    def _node_failed(
-        self,
-        answer: Answer[Any],
-        node: Node,
-        admission: Admission,
-        positions: list[int],
-        exc: BaseException,
-    ) -> None:
-        """``node`` could not answer: its rows are unanswered, it goes down (backs off)."""
-        text = describe(exc)
-        answer.node_down.extend(positions)
-        answer.node_failures.append(
-            (f"{text} (node {node[0]}:{node[1]})", isinstance(exc, errors().timeout))
-        )
-        if self.nodes.failed(node, admission):  # its first probe refreshes the slot map
-            logger.warning(
-                "Redis tier at %s: node %s:%d is down (%s); its slots miss until it answers",
-                self.url,
-                node[0],
-                node[1],
-                text,
-            )
-
-    def node_timed_out(self, node: Node) -> bool:
-        """A call gave up waiting on ``node``: it goes down. True when that took it down.
-
-        Called from the event loop while the abandoned thread may still wait
-        on the node: the node's later failure there changes nothing more.
-        """
-        if not self.nodes.failed(node, Admission.NORMAL):
-            return False
-        logger.warning(
-            "Redis tier at %s: node %s:%d is down (no answer within %s s); its slots miss "
-            "until it answers",
-            self.url,
-            node[0],
-            node[1],
-            self.timeout_s,
-        )
-        return True
-
     def nodes_down(self, *, waiting: bool = False) -> bool:
         """On a cluster: whether every node that holds slots is down (``waiting``: and
         none is due a probe yet). Always False on a standalone server."""
-        return bool(self.cluster) and self.nodes.all_down(self._masters, waiting=waiting)
+        return bool(self.cluster) and self.cluster_nodes.all_down(waiting=waiting)
 
     def accepted(self, answer: Answer[Any], connection: Connection, reply: Any) -> bool:
         """False (and the refusal counted) when ``reply`` is the server refusing a command."""
         if not isinstance(reply, ErrorReply):
             return True
         error = error_from_reply(reply)
-        e = errors()
-        if isinstance(error, e.rx.ConnectionError):
-            connection.close()  # LOADING and the like: this server cannot answer now
+        fault = server_fault(reply.text)
+        if fault is Fault.UNAVAILABLE:  # LOADING, CLUSTERDOWN...: the server cannot answer now
+            connection.close()
             raise error
-        if isinstance(error, e.unavailable):
-            raise error  # CLUSTERDOWN and the like: the store as a whole is away
         answer.refused.append((reply.code, describe(error)))
-        if isinstance(error, e.moved):
+        if fault is Fault.MOVED:
             answer.moved += 1
-            self._refresh_slots = True  # the slot map is stale: refresh it on the next call
+            self.cluster_nodes.stale = True  # refresh the slot map before the next call
         return False
 
     def contains(
         self, guard: Guard, answer: Answer[bool], rows: list[Row], batch: list[int]
     ) -> None:
-        def send(connection: Connection, positions: list[int]) -> None:
-            connection.send(guard, b"".join(command(b"EXISTS", rows[p][1]) for p in positions))
+        send = _keys_sender(guard, rows, b"EXISTS")
+        self.exchange(answer, rows, batch, send, self._receiver(guard, answer, 1))
+
+    def _receiver(self, guard: Guard, answer: Answer[bool], expected: object) -> Receive:
+        """Reads one row's reply: ``True`` where it is ``expected`` (a refusal counted)."""
 
         def receive(connection: Connection, position: int) -> None:
             reply = connection.reply(guard)
-            answer.values[position] = self.accepted(answer, connection, reply) and reply == 1
+            answer.values[position] = self.accepted(answer, connection, reply) and reply == expected
 
-        self.exchange(answer, rows, batch, send, receive)
+        return receive
 
     def write(self, guard: Guard, answer: Answer[bool], rows: list[Row], batch: list[int]) -> None:
-        argc, expiry = 3, b""
-        if self.ttl_s is not None:
-            ms = b"%d" % max(1, round(self.ttl_s * 1000))
+        argc, expiry, ttl_s = 3, b"", self.options.ttl_s
+        if ttl_s is not None:
+            ms = b"%d" % max(1, round(ttl_s * 1000))
             argc, expiry = 5, b"$2\r\nPX\r\n$%d\r\n%s\r\n" % (len(ms), ms)
         codec = self.codec
 
@@ -645,18 +474,11 @@ class RedisWire:
                 pending = tail
             connection.send(guard, pending)
 
-        def receive(connection: Connection, position: int) -> None:
-            reply = connection.reply(guard)
-            answer.values[position] = self.accepted(answer, connection, reply) and reply == b"OK"
-
-        self.exchange(answer, rows, batch, send, receive)
+        self.exchange(answer, rows, batch, send, self._receiver(guard, answer, b"OK"))
 
     def read(
         self, guard: Guard, answer: Answer[Verdict], rows: list[Row], batch: list[int]
     ) -> None:
-        def send(connection: Connection, positions: list[int]) -> None:
-            connection.send(guard, b"".join(command(b"GET", rows[p][1]) for p in positions))
-
         def receive(connection: Connection, position: int) -> None:
             # Each value is checked and received as it arrives, while the next is in flight.
             key, _, out = rows[position]
@@ -672,14 +494,17 @@ class RedisWire:
             elif reply is not None and self.accepted(answer, connection, reply):
                 connection.protocol_error(f"{reply!r:.64} in reply to GET")
 
-        self.exchange(answer, rows, batch, send, receive)
+        self.exchange(answer, rows, batch, _keys_sender(guard, rows, b"GET"), receive)
 
     def __repr__(self) -> str:
         kind = "cluster" if self.cluster else "standalone" if self.cluster is False else "?"
         return f"<RedisWire [{self.url}; {kind}; {len(self._pools)} pools]>"
 
 
-def _masters(slot_map: Any) -> frozenset[Node]:
-    """The nodes that hold slots in redis-py's slot map."""
-    cache = slot_map.nodes_manager.slots_cache
-    return frozenset((str(n[0].host), int(n[0].port)) for n in list(cache.values()) if n)
+def _keys_sender(guard: Guard, rows: list[Row], name: bytes) -> Send:
+    """Sends command ``name`` (``EXISTS``, ``GET``) of each row's remote key, in one write."""
+
+    def send(connection: Connection, positions: list[int]) -> None:
+        connection.send(guard, b"".join(command(name, rows[p][1]) for p in positions))
+
+    return send
