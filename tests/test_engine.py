@@ -24,7 +24,7 @@ from tiering import (
     SpecError,
     make_offload_key,
 )
-from tiering.engine import PrefixLookup, TieringEngine, kv_cache_tensors
+from tiering.engine import PrefixLookup, TieringEngine
 from tiering.scheduler import LATENCY_BUCKETS, JobOutcome, SchedulerLimits
 from tiering.specs import GPULoadStoreSpec
 from tiering.transfer import KVCacheTensor, KVLayout
@@ -453,7 +453,7 @@ def test_kv_caches_that_map_no_layer_are_refused(given: Any, described: str) -> 
 
 
 def test_a_list_of_kv_cache_tensors_is_taken_as_it_is() -> None:
-    registered = kv_cache_tensors(config(), kv_caches())
+    registered = list(KVLayout.from_kv_caches(config(), kv_caches()).tensors)
     engine = TieringEngine(config(), registered, cpu_bytes=1 << 20)
     mapped = TieringEngine(config(), kv_caches(), cpu_bytes=1 << 20)
     assert engine.layout.row_bytes == mapped.layout.row_bytes == CHUNK_BYTES

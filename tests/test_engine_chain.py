@@ -131,7 +131,7 @@ async def test_a_real_disk_tier_below_an_engine_survives_the_engine(
         assert first.statistics().tiers[0].tier.chunks == 3
     second, kv_second = disk_engine(2)
     async with second:
-        tier = second.secondary
+        tier = second.tiers[0]
         assert isinstance(tier, DiskTier)
         assert len((await tier.open()).values) == 3
         assert await second.promote(keys(1, 2, 3)) == Promotion(3, 3, {"disk": 3})

@@ -45,7 +45,7 @@ def engine_over(
 
 
 def memory_tier(engine: TieringEngine) -> MemoryTier:
-    tier = engine.secondary
+    tier = engine.tiers[0]
     assert isinstance(tier, MemoryTier)
     return tier
 
@@ -180,8 +180,8 @@ def test_cascade_queue_is_checked_and_the_limits_are_one_record() -> None:
     with pytest.raises(ConfigError, match=r"from 1 to the CPU tier's 8 chunks, got 9"):
         CascadeLimits(cascade_chunks=9).max_pinned(8)
     engine, _ = engine_over(MemoryStore(), chunks=8, cascade_queue=3, cascade_chunks=2)
-    assert engine._secondary is not None
-    (cascade,) = engine._secondary.cascades
+    assert engine._chain is not None
+    (cascade,) = engine._chain.cascades
     assert cascade.limits == CascadeLimits(cascade_queue=3, cascade_chunks=2)
     assert "0/2 pinned" in repr(cascade)
 

@@ -28,6 +28,7 @@ from tiering import (
     OffloadingModelConfig,
     make_offload_key,
 )
+from tiering._types import TransferDirection
 from tiering.cli import main
 from tiering.config import DEFAULT_POLICY
 from tiering.cpu.common import CPUOffloadingInfo
@@ -46,7 +47,6 @@ from tiering.replay import ReplayOptions, replay
 from tiering.scheduler import (
     LATENCY_BUCKETS,
     DirectionStatistics,
-    JobKind,
     JobOutcome,
     SchedulerLimits,
     SchedulerStatistics,
@@ -119,7 +119,7 @@ def families_of(text: bytes) -> set[str]:
 async def test_exposition_after_jobs_has_every_family_label_and_value(
     anyio_backend: str,
 ) -> None:
-    failing: set[JobKind] = set()
+    failing: set[TransferDirection] = set()
 
     def fail(job: MockJob) -> bool:
         return job.direction in failing
@@ -136,7 +136,7 @@ async def test_exposition_after_jobs_has_every_family_label_and_value(
         assert isinstance(backend, MockBackend)
         with anyio.fail_after(10):
             assert (await (await engine.submit_store(keys(1, 2, 3), spec(0, 1, 2)))).success
-            failing.add(JobKind.STORE)
+            failing.add(TransferDirection.STORE)
             failed = await (await engine.submit_store(keys(4), spec(3)))
             assert failed.outcome is JobOutcome.FAILED
             failing.clear()

@@ -19,13 +19,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tiering import make_offload_key
-from tiering._types import OffloadKey
+from tiering._types import OffloadKey, TransferDirection
 from tiering.cpu.common import CPULoadStoreSpec
 from tiering.cpu.manager import CPUOffloadingManager, LookupResult
 from tiering.errors import CapacityError, CopyFailedError, SpecError, TransferError
 from tiering.scheduler import (
     JobHandle,
-    JobKind,
     JobOutcome,
     Scheduler,
     SchedulerLimits,
@@ -36,7 +35,7 @@ from tiering.scheduler._plan import PlannedJob, Planner, Slice
 from tiering.specs import BlockIDsLoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
 from tiering.transfer.base import CompletionCallback, TransferResult
 
-STORE, LOAD = JobKind.STORE, JobKind.LOAD
+STORE, LOAD = TransferDirection.STORE, TransferDirection.LOAD
 CHUNK = 100  # bytes of one chunk (one block of one group: blocks_per_chunk 1)
 
 
@@ -70,8 +69,10 @@ class ScriptedBackend:
         self.capacity = capacity
         self.refuse = refuse
         self.auto = False
-        self.log: list[tuple[JobKind, list[int], list[int]]] = []  # kind, GPU ids, CPU ids
-        self.running: dict[int, JobKind] = {}
+        self.log: list[
+            tuple[TransferDirection, list[int], list[int]]
+        ] = []  # kind, GPU ids, CPU ids
+        self.running: dict[int, TransferDirection] = {}
         self.order: list[int] = []  # backend job ids, in submission order
 
     def submit(self, job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec) -> None:
@@ -106,7 +107,7 @@ class ScriptedBackend:
         """Complete the ``n``-th slice handed over (0-based)."""
         self.finish(self.order[n], **kwargs)  # type: ignore[arg-type]
 
-    def sent(self) -> list[tuple[JobKind, list[int]]]:
+    def sent(self) -> list[tuple[TransferDirection, list[int]]]:
         return [(kind, gpu) for kind, gpu, _ in self.log]
 
     def close(self) -> None:
@@ -491,7 +492,7 @@ _BAD_SPECS = [
 
 @pytest.mark.parametrize(("kind", "gpu", "count", "message"), _BAD_SPECS)
 async def test_the_scheduler_refuses_a_bad_spec_in_the_layouts_words(
-    anyio_backend: str, kind: JobKind, gpu: GPULoadStoreSpec, count: int, message: str
+    anyio_backend: str, kind: TransferDirection, gpu: GPULoadStoreSpec, count: int, message: str
 ) -> None:
     import torch
 
@@ -535,7 +536,7 @@ async def rig_ready(scheduler: Scheduler, count: int) -> None:
 class Named(PlannedJob):
     __slots__ = ("name",)
 
-    def __init__(self, kind: JobKind, name: str, *sizes: int) -> None:
+    def __init__(self, kind: TransferDirection, name: str, *sizes: int) -> None:
         super().__init__(kind)
         self.name = name
         for i, nbytes in enumerate(sizes):

@@ -64,6 +64,8 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.registry import CollectorRegistry
 
+from tiering._checks import is_int
+from tiering._state import Lifecycle
 from tiering.cpu.common import CPUOffloadingInfo
 from tiering.cpu.manager import ManagerStatistics
 from tiering.errors import ConfigError
@@ -498,7 +500,7 @@ class MetricsServer(AsyncResource):
         self._server = server
         self._thread = thread
         self._lock = threading.Lock()
-        self._closed = False
+        self._life = Lifecycle("the metrics server", opened=True)  # changed under _lock
         self.host = host
         self.port = int(server.server_address[1])
 
@@ -509,16 +511,18 @@ class MetricsServer(AsyncResource):
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._life.closed
 
     def close(self) -> None:
         with self._lock:
-            if self._closed:
+            if not self._life.begin_close():
                 return
-            self._closed = True
-            self._server.shutdown()
-            self._server.server_close()
-            self._thread.join()
+            try:
+                self._server.shutdown()
+                self._server.server_close()
+                self._thread.join()
+            finally:
+                self._life.end_close()
 
     async def aclose(self) -> None:
         await anyio.to_thread.run_sync(self.close)
@@ -535,7 +539,7 @@ class MetricsServer(AsyncResource):
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else "serving"
+        state = "closed" if self._life.closed else "serving"
         return f"<MetricsServer {self.url} [{state}]>"
 
 
@@ -546,7 +550,7 @@ def serve_metrics(engine: MetricsSource, host: str = "127.0.0.1", *, port: int) 
     The server runs in a daemon thread until `MetricsServer.close`. A port out
     of range, a port in use or a host that cannot be bound raise `ConfigError`.
     """
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+    if not is_int(port) or not 0 <= port <= 65535:
         raise ConfigError(
             f"metrics port must be an integer from 0 to 65535 (0 for any free port), got {port!r}"
         )

@@ -8,6 +8,7 @@ import anyio
 import pytest
 from anyio import wait_all_tasks_blocked
 
+from tiering._state import ResourceState
 from tiering.errors import ConfigError, ResourceClosedError
 from tiering.events import (
     AllBlocksCleared,
@@ -21,7 +22,6 @@ from tiering.events import (
     SequencedBatch,
     SinkStatistics,
 )
-from tiering.events.bus import BusState
 
 from ..conftest import turns_during
 
@@ -134,7 +134,7 @@ async def test_closing_the_bus_ends_iteration_after_the_buffered_batches() -> No
         SequencedBatch(0, batch(0)),
         SequencedBatch(1, batch(1, n=2)),
     ]
-    assert bus.state is BusState.CLOSED
+    assert bus.state is ResourceState.CLOSED
     await bus.aclose()
     assert sink.closed == 1
     assert sink.batches == [batch(0), batch(1, n=2)]
@@ -200,7 +200,7 @@ async def test_sinks_are_closed_even_when_closing_is_cancelled() -> None:
         scope.cancel()
         await bus.aclose()
     assert sink.closed == 1
-    assert bus.state is BusState.CLOSED
+    assert bus.state is ResourceState.CLOSED
 
 
 @pytest.mark.parametrize("with_sink", [False, True])
@@ -210,7 +210,7 @@ async def test_closing_a_bus_is_a_checkpoint(with_sink: bool) -> None:
     buses = [EventBus(sinks=[RecordingSink()] if with_sink else []) for _ in range(calls)]
     closing = iter(buses)
     counted = await turns_during(lambda: next(closing).aclose(), calls)
-    assert all(bus.state is BusState.CLOSED for bus in buses)
+    assert all(bus.state is ResourceState.CLOSED for bus in buses)
     # One turn per close on asyncio, at least one per two on trio (random order); none
     # without a checkpoint.
     assert counted >= calls // 2, f"the counting task got {counted} turns in {calls} closes"
@@ -223,5 +223,5 @@ async def test_a_bus_without_sinks_is_closed_even_when_closing_is_cancelled() ->
         scope.cancel()
         await bus.aclose()
     assert scope.cancelled_caught  # a cancellation point, after the close
-    assert bus.state is BusState.CLOSED
+    assert bus.state is ResourceState.CLOSED
     assert [item async for item in subscription] == []

@@ -11,6 +11,7 @@ import pytest
 
 from tiering import (
     CPUOffloadingManager,
+    Medium,
     OffloadingCacheConfig,
     OffloadingConfig,
     OffloadingGroupConfig,
@@ -157,3 +158,26 @@ def test_the_key_is_read_as_vllm_reads_it(value: object, self_describing: bool) 
     """vLLM takes ``bool(extra_config.get("self_describing_kv_events", False))``."""
     assert KVEventEmitter(config(**{SELF_DESCRIBING_KEY: value})).self_describing is self_describing
     assert not KVEventEmitter(config()).self_describing
+
+
+async def test_a_lower_tiers_store_is_described_by_a_landing_still_pending() -> None:
+    """The CPU tier's pending events are published first, and what they landed describes
+    the lower tier's event, even when both come in one turn."""
+    emitter = KVEventEmitter(config(**{SELF_DESCRIBING_KEY: True}), keep_landed=True)
+    manager = CPUOffloadingManager(8, enable_events=True, on_events=emitter.publish_soon)
+    emitter.open(manager)
+    try:
+        subscription = emitter.subscribe()
+        out = manager.prepare_store([key(1)], job="j")
+        assert out is not None
+        info = ChunkBlocks(block_hashes=[11, 12], block_size=16)
+        emitter.describe("j", [key(1)], [info])
+        manager.complete_store(out.keys_to_store, job="j")  # its event is pending
+        emitter.publish_stored_below([key(1)], medium=Medium.STORAGE, locality="local")
+        events = [e for _ in range(2) for e in (await next_batch(subscription)).batch.events]
+        assert [(e.medium, e.block_hashes) for e in events if isinstance(e, BlockStored)] == [
+            ("CPU", [11, 12]),
+            ("STORAGE", [11, 12]),
+        ]
+    finally:
+        await emitter.aclose()

@@ -11,6 +11,7 @@ import anyio
 import pytest
 import zmq
 
+from tiering._state import ResourceState
 from tiering.errors import ConfigError, ResourceClosedError
 from tiering.events import (
     BlockRemoved,
@@ -22,8 +23,7 @@ from tiering.events import (
     SequencedBatch,
     ZmqSubscriber,
 )
-from tiering.events.publisher import END_SEQ, PublisherState, ZmqEventPublisher, should_bind
-from tiering.events.subscriber import SubscriberState
+from tiering.events.publisher import END_SEQ, ZmqEventPublisher, should_bind
 
 pytestmark = pytest.mark.anyio
 
@@ -250,7 +250,7 @@ async def test_dead_subscribers_do_not_disturb_the_publisher(
             items = await take(healthy, 30)
     assert seqs(items) == list(range(30))
     assert publisher.statistics().dropped_total == 0
-    assert publisher.state is PublisherState.OPEN
+    assert publisher.state is ResourceState.OPEN
 
 
 async def test_close_flushes_joins_and_is_idempotent(make_publisher: MakePublisher) -> None:
@@ -265,7 +265,7 @@ async def test_close_flushes_joins_and_is_idempotent(make_publisher: MakePublish
             items = await take(subscriber, 100)
     assert seqs(items) == list(range(seq, seq + 100))
     publisher.close()
-    assert publisher.state is PublisherState.CLOSED
+    assert publisher.state is ResourceState.CLOSED
     assert publisher.statistics().published_total == seq + 100
     with pytest.raises(ResourceClosedError, match="closed"):
         publisher.publish(batch(0))
@@ -345,7 +345,7 @@ async def test_the_bus_feeds_the_publisher_and_closes_it(make_publisher: MakePub
                 bus.publish(batch(i, n=2))
             with anyio.fail_after(10):
                 remote = await take(subscriber, 3)
-        assert publisher.state is PublisherState.CLOSED
+        assert publisher.state is ResourceState.CLOSED
         stats = bus.statistics()  # final: the publisher's thread has ended
     assert seqs(remote) == [0, 1, 2]
     assert [s.name for s in stats.sinks] == ["subscribers", "zmq"]
@@ -432,7 +432,7 @@ async def test_a_subscriber_entered_when_cancelled_is_closed() -> None:
         async with subscriber:
             pytest.fail("the body of a cancelled enter ran")
     assert scope.cancelled_caught
-    assert subscriber.state is SubscriberState.CLOSED
+    assert subscriber.state is ResourceState.CLOSED
     assert re.match(r"<ZmqSubscriber \[closed; ", repr(subscriber))
     assert subscriber._sub.closed
     assert subscriber._dealer is not None

@@ -7,9 +7,9 @@ importing this package never imports pyzmq.
 
 from __future__ import annotations
 
-import importlib as _importlib
 import typing as _typing
 
+from tiering._exports import load as _load
 from tiering.events.config import HashFormat, KVEventsConfig
 from tiering.events.schema import (
     AllBlocksCleared,
@@ -58,12 +58,7 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> _typing.Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'tiering.events' has no attribute {name!r}")
-    value = getattr(_importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    return _load(__name__, globals(), name, _LAZY)
 
 
 __all__ = [

@@ -22,19 +22,21 @@ from __future__ import annotations
 import weakref
 from collections import deque
 from collections.abc import Iterable
-from typing import Protocol
+from typing import Any, Protocol
 
 import anyio
 import anyio.lowlevel
 import msgspec
 from anyio.abc import AsyncResource
 
-from tiering._state import ResourceState
-from tiering.errors import ConfigError, ResourceClosedError
+from tiering._checks import is_int
+from tiering._closing import AsyncLifecycle
+from tiering._exports import RESOURCE_STATE, load
+from tiering._state import Lifecycle, ResourceState
+from tiering.errors import ConfigError
 from tiering.events.schema import EventItem, Gap, KVEventBatch, SequencedBatch
 
 __all__ = [
-    "BusState",
     "EventBus",
     "EventSink",
     "EventStatistics",
@@ -72,10 +74,6 @@ class EventSink(Protocol):
         """Flush within a bounded time and release everything; idempotent. May block."""
 
 
-#: The bus's state (the one lifecycle of `tiering._state`).
-BusState = ResourceState
-
-
 class EventSubscription(AsyncResource):
     """A bounded view of the bus: ``async for item in subscription`` yields `EventItem`.
 
@@ -91,7 +89,7 @@ class EventSubscription(AsyncResource):
         self._buffer: deque[tuple[int, KVEventBatch]] = deque()
         self._next_seq = next_seq
         self._wakeup: anyio.Event | None = None
-        self._closed = False  # by the consumer: stop now
+        self._life = Lifecycle("the subscription", opened=True)  # closed by the consumer: stop now
         self._ended = False  # by the bus: stop once the buffer is empty
         self._dropped_batches = 0
         self._dropped_events = 0
@@ -137,14 +135,14 @@ class EventSubscription(AsyncResource):
         if self._buffer:  # a checkpoint even with batches at hand (trio's rule)
             await anyio.lowlevel.checkpoint()
         while not self._buffer:
-            if self._closed or self._ended:
+            if self._life.closed or self._ended:
                 raise StopAsyncIteration
             self._wakeup = anyio.Event()
             try:
                 await self._wakeup.wait()
             finally:
                 self._wakeup = None
-        if self._closed:
+        if self._life.closed:
             raise StopAsyncIteration
         seq, batch = self._buffer[0]
         if seq > self._next_seq:
@@ -157,8 +155,7 @@ class EventSubscription(AsyncResource):
 
     async def aclose(self) -> None:
         """Stop now: unread batches are discarded and iteration ends. Idempotent."""
-        if not self._closed:
-            self._closed = True
+        if self._life.close_now():
             self._buffer.clear()
             self._bus._detach(self)
             if self._wakeup is not None:
@@ -166,7 +163,7 @@ class EventSubscription(AsyncResource):
         await anyio.lowlevel.checkpoint()  # closed whatever the cancellation
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else "ended" if self._ended else "open"
+        state = "closed" if self._life.closed else "ended" if self._ended else "open"
         return (
             f"<EventSubscription [{state}; {len(self._buffer)}/{self._max} batches buffered, "
             f"{self._dropped_batches} dropped]>"
@@ -187,15 +184,15 @@ class EventBus(AsyncResource):
         # Weak: a subscription its reader dropped without closing stops
         # buffering (and costing every publish) as soon as it is collected.
         self._subscriptions: weakref.WeakSet[EventSubscription] = weakref.WeakSet()
-        self._state = BusState.OPEN
+        self._life = AsyncLifecycle("the event bus", opened=True)
         self._seq = 0
         self._events = 0
         self._subscriber_published = 0
         self._subscriber_dropped = 0
 
     @property
-    def state(self) -> BusState:
-        return self._state
+    def state(self) -> ResourceState:
+        return self._life.state
 
     @property
     def subscribers(self) -> int:
@@ -212,13 +209,12 @@ class EventBus(AsyncResource):
 
         It buffers at most ``max_batches`` batches; past that its oldest are dropped.
         """
-        if isinstance(max_batches, bool) or not isinstance(max_batches, int) or max_batches < 1:
+        if not is_int(max_batches) or max_batches < 1:
             raise ConfigError(
                 f"max_batches must be an integer >= 1 (batches a subscription buffers), "
                 f"got {max_batches!r}"
             )
-        if self._state is not BusState.OPEN:
-            raise ResourceClosedError(f"cannot subscribe: the event bus is {self._state.value}")
+        self._life.check_open("cannot subscribe")
         subscription = EventSubscription(self, max_batches, self._seq)
         self._subscriptions.add(subscription)
         return subscription
@@ -228,8 +224,7 @@ class EventBus(AsyncResource):
 
     def publish(self, batch: KVEventBatch) -> int:
         """Number ``batch``, hand it to every subscription and sink, and return its ``seq``."""
-        if self._state is not BusState.OPEN:
-            raise ResourceClosedError(f"cannot publish: the event bus is {self._state.value}")
+        self._life.check_open("cannot publish")
         seq = self._seq
         self._seq = seq + 1
         n = len(batch.events)
@@ -260,10 +255,8 @@ class EventBus(AsyncResource):
 
         Idempotent; always a checkpoint, and closed even when cancelled.
         """
-        if self._state is not BusState.OPEN:
-            await anyio.lowlevel.checkpoint()
+        if not await self._life.begin_aclose():
             return
-        self._state = BusState.CLOSING
         for subscription in list(self._subscriptions):
             subscription._end()
         self._subscriptions.clear()
@@ -273,12 +266,17 @@ class EventBus(AsyncResource):
                 for sink in self._sinks:
                     await anyio.to_thread.run_sync(sink.close)
         finally:
-            self._state = BusState.CLOSED
-        await anyio.lowlevel.checkpoint()  # without sinks nothing above yields; closed first
+            self._life.end_close()
+        await anyio.lowlevel.checkpoint()  # a cancellation point, once closed
 
     def __repr__(self) -> str:
         return (
-            f"<EventBus [{self._state.value}; {self._seq} batches, {self._events} events, "
+            f"<EventBus [{self._life.state.value}; {self._seq} batches, {self._events} events, "
             f"{len(self._subscriptions)} subscriptions, {len(self._sinks)} sinks, "
             f"{self._subscriber_dropped} events dropped by subscribers]>"
         )
+
+
+def __getattr__(name: str) -> Any:
+    deprecated = {"BusState": RESOURCE_STATE}
+    return load(__name__, globals(), name, deprecated=deprecated)

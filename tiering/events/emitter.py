@@ -198,29 +198,30 @@ class KVEventEmitter:
     ) -> None:
         """Publish that ``keys`` were written to a lower tier (``locality`` on the events),
         after the CPU tier's pending events."""
-        if not keys:
-            return
-        self.publish_pending()
-        translator = self._below_translator(locality)
-        landed = self._landed
-        # Kept (bounded, oldest first out) for the next tier of a chain to describe alike.
-        blocks = {k: landed[k] for k in keys if k in landed} if landed else None
-        event = ChunksStored(keys=tuple(keys), medium=medium)
-        self._send(translator.translate([event], blocks))
+        self._publish_below(ChunksStored(keys=tuple(keys), medium=medium), locality, landed=True)
 
     def publish_removed_below(
         self, keys: Sequence[OffloadKey], medium: Medium, locality: str
     ) -> None:
         """Publish that ``keys`` left a lower tier (evicted, or found damaged or gone),
         after the CPU tier's pending events."""
-        if not keys:
+        self._publish_below(ChunksRemoved(keys=tuple(keys), medium=medium), locality)
+
+    def _publish_below(
+        self,
+        event: ChunksStored | ChunksRemoved,
+        locality: str,
+        *,
+        landed: bool = False,
+    ) -> None:
+        if not event.keys:
             return
-        self.publish_pending()
-        self._send(
-            self._below_translator(locality).translate(
-                [ChunksRemoved(keys=tuple(keys), medium=medium)]
-            )
-        )
+        self.publish_pending()  # first: what it lands is kept, and describes ``event`` below
+        blocks = None
+        if landed and self._landed:
+            # Kept (bounded, oldest first out) for the next tier of a chain to describe alike.
+            blocks = {k: self._landed[k] for k in event.keys if k in self._landed}
+        self._send(self._below_translator(locality).translate([event], blocks))
 
     def _below_translator(self, locality: str) -> EventTranslator:
         translator = self._below.get(locality)

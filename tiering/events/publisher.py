@@ -57,13 +57,15 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import overload
+from typing import Any, overload
 
 import msgspec
 import zmq
 
-from tiering._state import ResourceState
-from tiering.errors import ConfigError, ResourceClosedError
+from tiering._checks import check_real
+from tiering._exports import RESOURCE_STATE, load
+from tiering._state import Lifecycle, ResourceState
+from tiering.errors import ConfigError
 from tiering.events.bus import SinkStatistics
 from tiering.events.config import (
     DEFAULT_ENDPOINT,
@@ -78,7 +80,7 @@ from tiering.events.schema import KVEventBatch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["END_SEQ", "PublisherState", "ZmqEventPublisher", "should_bind"]
+__all__ = ["END_SEQ", "ZmqEventPublisher", "should_bind"]
 
 #: The sequence frame that ends a replay: -1 as 8 signed big-endian bytes.
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -94,10 +96,6 @@ _wake_ids = itertools.count()
 def should_bind(endpoint: str) -> bool:
     """vLLM's rule: bind a wildcard (``*``), a ``::`` address, ``ipc://`` and ``inproc://``."""
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
-
-
-#: The publisher's state (the one lifecycle of `tiering._state`).
-PublisherState = ResourceState
 
 
 class _Seqs(Sequence[int]):
@@ -138,8 +136,7 @@ class ZmqEventPublisher:
         close_timeout: float = 1.0,
     ) -> None:
         self._config = config = KVEventsConfig() if config is None else config
-        if close_timeout < 0:
-            raise ConfigError(f"close_timeout must be >= 0 seconds, got {close_timeout!r}")
+        check_real("close_timeout (seconds)", close_timeout, minimum=0)
         self._close_timeout = close_timeout
         endpoint = offset_endpoint("KVEventsConfig.endpoint", config.endpoint, data_parallel_rank)
         replay_endpoint = config.replay_endpoint
@@ -158,7 +155,7 @@ class ZmqEventPublisher:
         self._dropped_full = 0  # written by the caller of publish()
         self._dropped_thread = 0  # written by the sender thread
         self._replays = 0
-        self._state = PublisherState.OPEN
+        self._life = Lifecycle("the ZMQ publisher", opened=True)  # changed under _lock
         self._lock = threading.Lock()
         self._idle = False
         self._deadline = 0.0
@@ -256,13 +253,12 @@ class ZmqEventPublisher:
         return self._replay_endpoint
 
     @property
-    def state(self) -> PublisherState:
-        return self._state
+    def state(self) -> ResourceState:
+        return self._life.state
 
     def publish(self, batch: KVEventBatch) -> None:
         """Queue ``batch`` for sending; when the queue is full, drop it and count its events."""
-        if self._state is not PublisherState.OPEN:
-            raise ResourceClosedError(f"cannot publish: the ZMQ publisher is {self._state.value}")
+        self._life.check_open("cannot publish")
         seq = self._next_seq
         self._next_seq = seq + 1
         if len(self._queue) >= self._max_queue:
@@ -284,16 +280,15 @@ class ZmqEventPublisher:
     def close(self) -> None:
         """Send what is queued (for ``close_timeout`` at most), join the thread. Idempotent."""
         with self._lock:
-            if self._state is PublisherState.OPEN:
+            if self._life.begin_close():
                 self._deadline = time.monotonic() + self._close_timeout
-                self._state = PublisherState.CLOSING
         self._wake()
         self._thread.join()
         with self._lock:
             if self._wake_tx is not None:
                 self._wake_tx.close(linger=0)
                 self._wake_tx = None
-            self._state = PublisherState.CLOSED
+            self._life.end_close()
 
     def _wake(self) -> None:
         with self._lock:
@@ -306,7 +301,7 @@ class ZmqEventPublisher:
     # --- the sender thread -------------------------------------------------
 
     def _run(self) -> None:
-        queue = self._queue
+        queue, life = self._queue, self._life
         poller = zmq.Poller()
         poller.register(self._wake_rx, zmq.POLLIN)
         if self._replay is not None:
@@ -316,17 +311,17 @@ class ZmqEventPublisher:
         try:
             while True:
                 for _ in range(min(len(queue), _REPLAY_CHECK_EVERY)):
-                    if self._state is not PublisherState.OPEN:
+                    if not life.is_open:
                         break  # closing: `_flush` sends the rest against the deadline
                     self._send(*queue.popleft())
-                if self._state is not PublisherState.OPEN:
+                if not life.is_open:
                     break
                 timeout: int | None = 0
                 if not queue:
                     # Say we sleep, then look again: a batch queued before the flag
                     # was set is seen here; one queued after it wakes us.
                     self._idle = True
-                    if queue or self._state is not PublisherState.OPEN:
+                    if queue or not life.is_open:
                         self._idle = False
                         continue
                     timeout = None
@@ -452,8 +447,14 @@ class ZmqEventPublisher:
     def __repr__(self) -> str:
         dropped = self._dropped_full + self._dropped_thread
         return (
-            f"<ZmqEventPublisher [{self._state.value}; {'binds' if self._binds else 'connects'} "
+            f"<ZmqEventPublisher [{self._life.state.value}; "
+            f"{'binds' if self._binds else 'connects'} "
             f"{self._endpoint}, {len(self._queue)} "
             f"batches queued, {len(self._buffer)} buffered for replay, {self._published} events "
             f"published, {dropped} dropped, {self._replays} replays served]>"
         )
+
+
+def __getattr__(name: str) -> Any:
+    deprecated = {"PublisherState": RESOURCE_STATE}
+    return load(__name__, globals(), name, deprecated=deprecated)

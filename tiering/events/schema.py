@@ -37,6 +37,7 @@ from typing import Any, cast
 
 import msgspec
 
+from tiering._checks import is_int
 from tiering._types import OffloadKey, get_offload_block_hash, get_offload_group_idx
 from tiering.cpu.manager import ChunkEvent, ChunksRemoved, ChunksStored
 from tiering.errors import ConfigError, EventSchemaError
@@ -193,7 +194,7 @@ class ChunkBlocks(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     def __post_init__(self) -> None:
         if not self.block_hashes:
             raise EventSchemaError("ChunkBlocks.block_hashes is empty; a chunk covers >= 1 block")
-        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int):
+        if not is_int(self.block_size):
             raise EventSchemaError(
                 f"ChunkBlocks.block_size must be an int, got {self.block_size!r}"
             )
@@ -257,7 +258,7 @@ class EventTranslator:
         )
         values: list[object] = [*per_group] or [None]
         for tokens in values:
-            if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+            if not is_int(tokens) or cast(int, tokens) < 1:
                 raise ConfigError(
                     "tokens_per_chunk must be an integer >= 1 (or one per KV-cache group), "
                     f"got {tokens_per_chunk!r}"

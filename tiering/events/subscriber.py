@@ -42,6 +42,7 @@ from __future__ import annotations
 import logging
 import socket
 from collections import deque
+from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -49,8 +50,10 @@ import msgspec
 import zmq
 from anyio.abc import AsyncResource
 
-from tiering._state import ResourceState
-from tiering.errors import ConfigError, ResourceClosedError
+from tiering._checks import check_real, is_int
+from tiering._exports import RESOURCE_STATE, load
+from tiering._state import Lifecycle, ResourceState
+from tiering.errors import ConfigError
 from tiering.events.config import (
     DEFAULT_ENDPOINT,
     binds_every_interface,
@@ -63,7 +66,7 @@ from tiering.events.schema import EventItem, EventSchemaError, Gap, SequencedBat
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SubscriberState", "SubscriberStatistics", "ZmqSubscriber"]
+__all__ = ["SubscriberStatistics", "ZmqSubscriber"]
 
 
 class SubscriberStatistics(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -76,10 +79,6 @@ class SubscriberStatistics(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     missing_total: int  # batches those gaps cover
     replay_requests_total: int
     malformed_total: int = 0  # live or replayed messages skipped: not a batch
-
-
-#: The subscriber's state (the one lifecycle of `tiering._state`).
-SubscriberState = ResourceState
 
 
 def _check_host(endpoint: str, what: str) -> None:
@@ -130,12 +129,11 @@ class ZmqSubscriber(AsyncResource):
         idle_replay: float | None = 1.0,
         hwm: int = 100_000,
     ) -> None:
-        if start_seq is not None and (isinstance(start_seq, bool) or start_seq < 0):
+        if start_seq is not None and (not is_int(start_seq) or start_seq < 0):
             raise ConfigError(f"start_seq must be None or an integer >= 0, got {start_seq!r}")
-        if replay_timeout <= 0:
-            raise ConfigError(f"replay_timeout must be > 0 seconds, got {replay_timeout!r}")
-        if idle_replay is not None and idle_replay <= 0:
-            raise ConfigError(f"idle_replay must be None or > 0 seconds, got {idle_replay!r}")
+        check_real("replay_timeout (seconds)", replay_timeout, minimum=0, inclusive=False)
+        if idle_replay is not None:
+            check_real("idle_replay (seconds, or None)", idle_replay, minimum=0, inclusive=False)
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._endpoint = endpoint
         self._replay_endpoint = replay_endpoint
@@ -181,7 +179,7 @@ class ZmqSubscriber(AsyncResource):
             except ConfigError:
                 self._close_sub()
                 raise
-        self._state = SubscriberState.OPEN
+        self._life = Lifecycle("the ZMQ subscriber", opened=True)
         self._expected: int | None = start_seq  # the next seq to yield
         self._pending: deque[EventItem] = deque()
         self._replaying = False
@@ -215,8 +213,8 @@ class ZmqSubscriber(AsyncResource):
         self._sub.close(linger=0)
 
     @property
-    def state(self) -> SubscriberState:
-        return self._state
+    def state(self) -> ResourceState:
+        return self._life.state
 
     @property
     def endpoint(self) -> str:
@@ -260,7 +258,7 @@ class ZmqSubscriber(AsyncResource):
         if self._pending:  # a checkpoint even with events at hand (trio's rule)
             await anyio.lowlevel.checkpoint()
         while not self._pending:
-            if self._state is SubscriberState.CLOSED:
+            if self._life.closed:
                 raise StopAsyncIteration
             try:
                 if self._replay_from is not None:
@@ -390,12 +388,12 @@ class ZmqSubscriber(AsyncResource):
 
     async def aclose(self) -> None:
         """Close the sockets and end iteration. Idempotent; always a checkpoint."""
-        if self._state is not SubscriberState.CLOSED:
-            self._close_now()
+        self._close_now()
         await anyio.lowlevel.checkpoint()  # closed whatever the cancellation
 
     def _close_now(self) -> None:
-        self._state = SubscriberState.CLOSED
+        if not self._life.close_now():
+            return
         self._pending.clear()
         if self._peers is not None:
             self._peers.close()
@@ -406,8 +404,7 @@ class ZmqSubscriber(AsyncResource):
                 sock.close(linger=0)
 
     async def __aenter__(self) -> ZmqSubscriber:
-        if self._state is SubscriberState.CLOSED:
-            raise ResourceClosedError("the ZMQ subscriber is closed")
+        self._life.check_open()
         try:
             await anyio.lowlevel.checkpoint()
         except BaseException:  # cancelled: the sockets opened in __init__ must not leak
@@ -417,7 +414,13 @@ class ZmqSubscriber(AsyncResource):
 
     def __repr__(self) -> str:
         return (
-            f"<ZmqSubscriber [{self._state.value}; {self._endpoint}, next seq {self._expected}, "
+            f"<ZmqSubscriber [{self._life.state.value}; {self._endpoint}, "
+            f"next seq {self._expected}, "
             f"{self._received} received, {self._replayed} replayed, {self._gaps} gaps, "
             f"{self._malformed} malformed]>"
         )
+
+
+def __getattr__(name: str) -> Any:
+    deprecated = {"SubscriberState": RESOURCE_STATE}
+    return load(__name__, globals(), name, deprecated=deprecated)

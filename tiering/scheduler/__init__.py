@@ -17,11 +17,13 @@ factory the owner passes in.
 
 from __future__ import annotations
 
+from typing import Any as _Any
+
+from tiering._exports import load as _load
 from tiering.scheduler._jobs import (
     LATENCY_BUCKETS,
     DirectionStatistics,
     JobHandle,
-    JobKind,
     JobOutcome,
     JobResult,
     SchedulerStatistics,
@@ -35,7 +37,6 @@ __all__ = [
     "LATENCY_BUCKETS",
     "DirectionStatistics",
     "JobHandle",
-    "JobKind",
     "JobOutcome",
     "JobResult",
     "Scheduler",
@@ -45,3 +46,11 @@ __all__ = [
     "manager_job",
     "select_chunks",
 ]
+
+
+#: Names kept from earlier shapes: each warns, naming its replacement.
+_DEPRECATED = {"JobKind": ("tiering._types", "TransferDirection", "tiering.TransferDirection")}
+
+
+def __getattr__(name: str) -> _Any:
+    return _load(__name__, globals(), name, deprecated=_DEPRECATED)

@@ -24,14 +24,11 @@ __all__ = [
     "LATENCY_BUCKETS",
     "DirectionStatistics",
     "JobHandle",
-    "JobKind",
     "JobOutcome",
     "JobResult",
     "SchedulerStatistics",
     "manager_job",
 ]
-
-JobKind = TransferDirection
 
 
 class JobOutcome(enum.StrEnum):
@@ -49,7 +46,7 @@ class JobResult(msgspec.Struct, frozen=True, kw_only=True):
     """The result of a store or load job."""
 
     job_id: int
-    kind: JobKind
+    kind: TransferDirection
     outcome: JobOutcome
     chunks: int  # chunks the job copied (or would have)
     nbytes: int  # bytes moved on success
@@ -120,7 +117,7 @@ class _Job(PlannedJob):
         "submitted",
     )
 
-    def __init__(self, job_id: int, kind: JobKind, keys: tuple[OffloadKey, ...]) -> None:
+    def __init__(self, job_id: int, kind: TransferDirection, keys: tuple[OffloadKey, ...]) -> None:
         PlannedJob.__init__(self, kind)  # not super(): a job is made per submission
         self.id = job_id
         self.keys = keys
@@ -178,7 +175,7 @@ class JobHandle:
         return self._job.id
 
     @property
-    def kind(self) -> JobKind:
+    def kind(self) -> TransferDirection:
         return self._job.kind
 
     def done(self) -> bool:

@@ -38,9 +38,9 @@ from typing import Generic, TypeVar
 
 import msgspec
 
+from tiering._checks import check_int
 from tiering._types import OffloadKey, TransferDirection
 from tiering.cpu.common import CPULoadStoreSpec
-from tiering.errors import ConfigError
 from tiering.specs import GPULoadStoreSpec, check_gpu_spec, chunk_block_ranges, select_chunks
 
 __all__ = ["PlannedJob", "Planner", "SchedulerLimits", "Slice"]
@@ -58,9 +58,7 @@ class SchedulerLimits(msgspec.Struct, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         for name in ("max_queued_jobs", "max_inflight_bytes", "slice_chunks", "max_load_slices"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"scheduler {name} must be a positive integer, got {value!r}")
+            check_int(f"scheduler {name}", getattr(self, name), minimum=1)
 
 
 class Slice(msgspec.Struct, gc=False):

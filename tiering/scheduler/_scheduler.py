@@ -36,8 +36,9 @@ import anyio
 import anyio.lowlevel
 import numpy as np
 
+from tiering._closing import AsyncLifecycle
 from tiering._state import ResourceState
-from tiering._types import OffloadKey
+from tiering._types import OffloadKey, TransferDirection
 from tiering.cpu.manager import CPUOffloadingManager
 from tiering.errors import (
     CapacityError,
@@ -49,7 +50,6 @@ from tiering.errors import (
 from tiering.scheduler._jobs import (
     DirectionStatistics,
     JobHandle,
-    JobKind,
     JobOutcome,
     SchedulerStatistics,
     _Counts,
@@ -102,16 +102,17 @@ class Scheduler:
             block_bytes=block_bytes,
             group_num_blocks=group_num_blocks,
         )
-        self._counts = {kind: _Counts() for kind in JobKind}
-        self._room = {kind: anyio.Event() for kind in JobKind}  # set when a queue has room
+        self._counts = {kind: _Counts() for kind in TransferDirection}
+        self._room = {
+            kind: anyio.Event() for kind in TransferDirection
+        }  # set when a queue has room
         self._waiting = 0  # submitters waiting for room
         self._job_ids = itertools.count()
         self._slice_ids = itertools.count()
         self._running: dict[int, tuple[_Job, Slice]] = {}  # backend job id -> slice
         self._stores: dict[int, _Job] = {}  # store jobs not finished (for flush)
-        self._state = ResourceState.NEW
+        self._life = AsyncLifecycle("the scheduler")
         self._idle = anyio.Event()  # set when no slice is at the backend
-        self._closed = anyio.Event()
         self._token: anyio.lowlevel.EventLoopToken | None = None
         self._inbox: deque[TransferResult] = deque()  # results from backend threads
         self._wakeup_pending = False
@@ -131,21 +132,20 @@ class Scheduler:
 
     def open(self) -> None:
         """Start: build the backend, bound to the running event loop."""
-        if self._state is not ResourceState.NEW:
+        if self._life.state is not ResourceState.NEW:
             raise ResourceClosedError("a scheduler is opened once; build a new one")
         self._token = anyio.lowlevel.current_token()
         self._backend = self._backend_factory(self._from_backend)
-        self._state = ResourceState.OPEN
+        self._life.open()
 
     async def aclose(self) -> None:
         """Cancel queued jobs, let running ones finish, close the backend. Idempotent."""
-        if self._state is not ResourceState.OPEN:
-            if self._state is ResourceState.CLOSING:
-                await self._closed.wait()
-            else:
-                await anyio.lowlevel.checkpoint()
+        was_open = self._life.is_open
+        if not await self._life.begin_aclose():
             return
-        self._state = ResourceState.CLOSING
+        if not was_open:  # never opened: nothing runs, nothing is held
+            self._life.end_close()
+            return
         try:
             for job in self._plan.unstarted():
                 self._cancel(job)
@@ -163,8 +163,7 @@ class Scheduler:
                     await anyio.to_thread.run_sync(backend.close)
             self._drain_inbox()
             self._abandon("the scheduler closed before the job could finish")
-            self._state = ResourceState.CLOSED
-            self._closed.set()
+            self._life.end_close()
 
     def _abandon(self, reason: str) -> None:
         """End every job still unfinished as failed, undoing its manager state."""
@@ -179,11 +178,10 @@ class Scheduler:
     # -- submission ----------------------------------------------------------
 
     def _check_open(self) -> None:
-        if self._state is not ResourceState.OPEN:
-            raise ResourceClosedError(f"the scheduler is {self._state.value}; no new jobs")
+        self._life.check_open("no new jobs")
 
     def submit_nowait(
-        self, kind: JobKind, keys: Sequence[OffloadKey], gpu: GPULoadStoreSpec
+        self, kind: TransferDirection, keys: Sequence[OffloadKey], gpu: GPULoadStoreSpec
     ) -> JobHandle:
         """Queue a store or load of ``keys`` (one per chunk of ``gpu``); never waits.
 
@@ -200,7 +198,7 @@ class Scheduler:
         nbytes = plan.check(kind, gpu, len(keys))
         job = _Job(next(self._job_ids), kind, tuple(keys))
         handle = JobHandle(job, self)
-        if kind is JobKind.STORE:
+        if kind is TransferDirection.STORE:
             output = self._manager.prepare_store(keys, job=manager_job(job.id))
             if output is None:
                 self._finish(job, JobOutcome.NO_ROOM, _NO_ROOM)
@@ -224,7 +222,7 @@ class Scheduler:
         return handle
 
     async def submit(
-        self, kind: JobKind, keys: Sequence[OffloadKey], gpu: GPULoadStoreSpec
+        self, kind: TransferDirection, keys: Sequence[OffloadKey], gpu: GPULoadStoreSpec
     ) -> JobHandle:
         """As `submit_nowait`, but waits for room in the queue instead of raising.
 
@@ -234,7 +232,9 @@ class Scheduler:
         """
         return await self.submit_waiting(kind, lambda: self.submit_nowait(kind, keys, gpu))
 
-    async def submit_waiting(self, kind: JobKind, submit: Callable[[], JobHandle]) -> JobHandle:
+    async def submit_waiting(
+        self, kind: TransferDirection, submit: Callable[[], JobHandle]
+    ) -> JobHandle:
         """Call ``submit`` (a `submit_nowait` of direction ``kind``) until it finds room.
 
         For owners that do more than `submit_nowait` at submission (the engine
@@ -296,7 +296,11 @@ class Scheduler:
         if backend is None:  # closed under us (by a hook): hold the slice back
             return False
         slice_id = next(self._slice_ids)
-        src, dst = (piece.gpu, piece.cpu) if job.kind is JobKind.STORE else (piece.cpu, piece.gpu)
+        src, dst = (
+            (piece.gpu, piece.cpu)
+            if job.kind is TransferDirection.STORE
+            else (piece.cpu, piece.gpu)
+        )
         error: str | None = None
         failure: TransferError | None = None
         try:
@@ -375,7 +379,7 @@ class Scheduler:
 
     def _end(self, job: _Job, *, ok: bool, error: str | None) -> None:
         """Release a started job's manager state and finish it."""
-        if job.kind is JobKind.STORE:
+        if job.kind is TransferDirection.STORE:
             self._manager.complete_store(job=manager_job(job.id), success=ok)
             if ok and self._on_stored is not None:
                 try:
@@ -393,7 +397,7 @@ class Scheduler:
     def _cancel(self, job: _Job) -> bool:
         if not self._plan.cancel(job):
             return False
-        if job.kind is JobKind.STORE:
+        if job.kind is TransferDirection.STORE:
             self._manager.complete_store(job=manager_job(job.id), success=False)
         else:
             self._manager.complete_load(job=manager_job(job.id))
@@ -403,7 +407,7 @@ class Scheduler:
 
     # -- seeing state ---------------------------------------------------------
 
-    def _direction(self, kind: JobKind) -> DirectionStatistics:
+    def _direction(self, kind: TransferDirection) -> DirectionStatistics:
         plan = self._plan
         return self._counts[kind].statistics(
             queued=plan.queued(kind),
@@ -413,15 +417,15 @@ class Scheduler:
 
     def statistics(self) -> SchedulerStatistics:
         return SchedulerStatistics(
-            state=self._state.value,
-            stores=self._direction(JobKind.STORE),
-            loads=self._direction(JobKind.LOAD),
+            state=self._life.state.value,
+            stores=self._direction(TransferDirection.STORE),
+            loads=self._direction(TransferDirection.LOAD),
         )
 
     def __repr__(self) -> str:
-        plan, store, load = self._plan, JobKind.STORE, JobKind.LOAD
+        plan, store, load = self._plan, TransferDirection.STORE, TransferDirection.LOAD
         return (
-            f"<Scheduler [{self._state.value}; loads: {plan.queued(load)} queued, "
+            f"<Scheduler [{self._life.state.value}; loads: {plan.queued(load)} queued, "
             f"{plan.in_flight(load)} running; stores: {plan.queued(store)} queued, "
             f"{plan.in_flight(store)} running]>"
         )

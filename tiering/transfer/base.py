@@ -28,14 +28,15 @@ import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import msgspec
 
-from tiering._state import ResourceState
+from tiering._checks import check_int
+from tiering._exports import RESOURCE_STATE, load
+from tiering._state import Lifecycle, ResourceState
 from tiering.errors import (
     CapacityError,
-    ResourceClosedError,
     SpecError,
     TransferError,
     failure_text,
@@ -45,7 +46,6 @@ from tiering.specs import LoadStoreSpec
 from tiering.transfer.layout import TransferDirection
 
 __all__ = [
-    "BackendState",
     "BackendStatistics",
     "CompletionCallback",
     "DirectionStatistics",
@@ -115,10 +115,6 @@ class BackendStatistics(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def failed(self) -> int:
         return self.stores.failed + self.loads.failed
-
-
-#: A backend's state (the one lifecycle of `tiering._state`).
-BackendState = ResourceState
 
 
 class TransferBackend(ABC):
@@ -210,8 +206,7 @@ class JobTracker:
         on_complete: CompletionCallback | None = None,
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
     ) -> None:
-        if max_in_flight < 1:
-            raise CapacityError(f"max_in_flight must be at least 1, got {max_in_flight}")
+        check_int("max_in_flight", max_in_flight, minimum=1, error=CapacityError)
         self.backend = backend
         self.max_in_flight = max_in_flight
         self._on_complete = on_complete
@@ -222,17 +217,20 @@ class JobTracker:
         self._in_flight: dict[int, TransferDirection] = {}
         self._results: deque[TransferResult] = deque()
         self._counts = {d: _Counts() for d in TransferDirection}
-        self._state = BackendState.OPEN
+        self._life = Lifecycle(f"the {backend} backend", opened=True)  # under _admit_lock
 
     @property
-    def state(self) -> BackendState:
-        return self._state
+    def state(self) -> ResourceState:
+        return self._life.state
+
+    def check_open(self) -> None:
+        """Raise `ResourceClosedError` ("the cpu backend is closing") unless open."""
+        self._life.check_open()
 
     def admit(self, job_id: int, direction: TransferDirection) -> None:
         """Record job ``job_id`` as in flight, or raise why it cannot be."""
         with self._admit_lock:
-            if self._state is not BackendState.OPEN:
-                raise ResourceClosedError(f"the {self.backend} backend is {self._state.value}")
+            self._life.check_open()
             in_flight = self._in_flight
             if job_id in in_flight:
                 raise SpecError(f"job id {job_id} is already in flight; give every job a fresh id")
@@ -297,24 +295,21 @@ class JobTracker:
     def begin_close(self) -> bool:
         """Stop admitting jobs; ``True`` for the one caller that should do the closing."""
         with self._admit_lock:
-            if self._state is not BackendState.OPEN:
-                return False
-            self._state = BackendState.CLOSING
-            return True
+            return self._life.begin_close()
 
     def finish_close(self) -> None:
         with self._admit_lock, self._done:
-            self._state = BackendState.CLOSED
+            self._life.end_close()
             self._done.notify_all()
 
     def wait_closed(self, timeout: float | None = None) -> bool:
-        return self._wait_for(lambda: self._state is BackendState.CLOSED, timeout)
+        return self._wait_for(lambda: self._life.state is ResourceState.CLOSED, timeout)
 
     def statistics(self) -> BackendStatistics:
         with self._done:
             return BackendStatistics(
                 backend=self.backend,
-                state=self._state.value,
+                state=self._life.state.value,
                 stores=self._counts[TransferDirection.STORE].snapshot(),
                 loads=self._counts[TransferDirection.LOAD].snapshot(),
             )
@@ -339,3 +334,8 @@ def failed_result(
         error=failure_text(exc),
         exception=failure,
     )
+
+
+def __getattr__(name: str) -> Any:
+    deprecated = {"BackendState": RESOURCE_STATE}
+    return load(__name__, globals(), name, deprecated=deprecated)

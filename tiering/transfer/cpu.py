@@ -153,10 +153,10 @@ class PageCopier:
         thread: then the copy thread makes no torch call but the copies. Every
         torch call releases the GIL and must take it back after, and while the
         event loop runs Python that takes up to the interpreter's switch
-        interval (5 ms): a copy thread making four calls per job (index
-        tensors, views, the copy) copied at a tenth of its speed beside a busy
-        loop. Building the calls costs the submitting thread a few
-        microseconds per run, which it would have spent waiting for the GIL.
+        interval: a copy thread making four calls per job (index tensors,
+        views, the copy) copies far slower beside a busy loop (bench/transfer.py
+        shows by how much). Building the calls costs the submitting thread
+        little, and it would have spent that time waiting for the GIL.
         """
         steps: list[_Step] = []
         for group in plan.groups:

@@ -64,6 +64,7 @@ error) fails that job only: its result holds a `CopyFailedError` from it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections import deque
@@ -165,26 +166,16 @@ class _CudaWork:
         self.error: Exception | None = None
 
 
+@dataclasses.dataclass(eq=False, slots=True)
 class _CudaCopy(PendingCopy):
     """A job queued on its stream; `wait` sleeps on its end event, then recycles both."""
 
-    __slots__ = ("backend", "direction", "end", "error", "start", "stream")
-
-    def __init__(
-        self,
-        backend: CudaBackend,
-        direction: TransferDirection,
-        stream: torch.cuda.Stream,
-        start: torch.cuda.Event,
-        end: torch.cuda.Event,
-        error: Exception | None,
-    ) -> None:
-        self.backend = backend
-        self.direction = direction
-        self.stream = stream
-        self.start = start
-        self.end = end
-        self.error = error
+    backend: CudaBackend
+    direction: TransferDirection
+    stream: torch.cuda.Stream
+    start: torch.cuda.Event
+    end: torch.cuda.Event
+    error: Exception | None
 
     def wait(self) -> float:
         backend = self.backend

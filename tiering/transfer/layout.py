@@ -41,6 +41,7 @@ import msgspec
 import numpy as np
 import torch
 
+from tiering._checks import check_int
 from tiering._types import TransferDirection
 from tiering.config import OffloadingConfig
 from tiering.cpu.common import CPULoadStoreSpec
@@ -74,7 +75,7 @@ ROW_ALIGNMENT = 4096
 #: wider integer, and its copy kernels move complex values as plain bits (no
 #: arithmetic, so NaN payloads and denormals survive; the round-trip tests check
 #: random bytes). Wider words mean fewer elements per page, which takes torch's
-#: CPU index kernels onto their faster paths (about 1.3x for scatters).
+#: CPU index kernels onto their faster paths (bench/transfer.py measures the gain).
 _WORD_DTYPES = {
     16: torch.complex128,
     8: torch.int64,
@@ -172,8 +173,7 @@ class KVLayout:
     """
 
     def __init__(self, tensors: Sequence[KVCacheTensor], blocks_per_chunk: int) -> None:
-        if blocks_per_chunk < 1:
-            raise SpecError(f"blocks_per_chunk must be at least 1, got {blocks_per_chunk}")
+        check_int("blocks_per_chunk", blocks_per_chunk, minimum=1, error=SpecError)
         if not tensors:
             raise SpecError("register at least one KV cache tensor")
         self.blocks_per_chunk = blocks_per_chunk
@@ -238,8 +238,7 @@ class KVLayout:
 
     def pool_bytes(self, num_chunks: int) -> int:
         """Exact bytes of a pool holding ``num_chunks`` chunk rows."""
-        if num_chunks < 1:
-            raise SpecError(f"num_chunks must be at least 1, got {num_chunks}")
+        check_int("num_chunks", num_chunks, minimum=1, error=SpecError)
         return num_chunks * self.row_bytes
 
     def num_chunks(self, pool_bytes: int) -> int:

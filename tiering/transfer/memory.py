@@ -49,7 +49,7 @@ import msgspec
 import numpy as np
 import torch
 
-from tiering._state import ResourceState
+from tiering._state import Lifecycle
 from tiering.errors import CapacityError, ConfigError, ResourceClosedError
 
 __all__ = [
@@ -271,7 +271,7 @@ class HostMemoryPool:
             self._mmap, dtype=torch.uint8, count=nbytes
         )
         self.data_ptr: int = self._tensor.data_ptr()
-        self._state = ResourceState.OPEN
+        self._life = Lifecycle("the host memory pool", opened=True)  # under _lock
 
     def _map_file(self, path: str, create: bool, flags: int) -> mmap.mmap:
         if create:
@@ -315,7 +315,7 @@ class HostMemoryPool:
 
     @property
     def closed(self) -> bool:
-        return self._state is ResourceState.CLOSED
+        return self._life.closed
 
     @property
     def shared(self) -> bool:
@@ -336,7 +336,7 @@ class HostMemoryPool:
     def resident_bytes(self) -> int:
         """Bytes of the pool in RAM now (pages counted by ``mincore``); 0 once closed."""
         with self._lock:
-            if self._state is ResourceState.CLOSED:
+            if self._life.closed:
                 return 0
             return _resident_bytes(self.data_ptr, self.mapped_bytes)
 
@@ -357,9 +357,8 @@ class HostMemoryPool:
         last view is garbage-collected (a view never points at unmapped memory).
         """
         with self._lock:
-            if self._state is ResourceState.CLOSED:
+            if not self._life.close_now():
                 return
-            self._state = ResourceState.CLOSED
             self._tensor = None
             mm = self._mmap
             del self._mmap

@@ -28,11 +28,9 @@ from typing import ClassVar, Generic, TypeAlias, TypeVar
 
 import msgspec
 
-from tiering.errors import ResourceClosedError
 from tiering.specs import LoadStoreSpec
 from tiering.transfer.base import (
     DEFAULT_MAX_IN_FLIGHT,
-    BackendState,
     BackendStatistics,
     CompletionCallback,
     JobTracker,
@@ -159,8 +157,7 @@ class ThreadedBackend(TransferBackend):
         """Drop resources once every job has completed (called once, by `close`)."""
 
     def submit(self, job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec) -> None:
-        if self._tracker.state is not BackendState.OPEN:
-            raise ResourceClosedError(f"the {self.name} backend is {self._tracker.state.value}")
+        self._tracker.check_open()
         job = self.prepare(job_id, src, dst)
         self._tracker.admit(job_id, job.direction)
         self.admitted(job)
