@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import enum
-import numbers
 import operator
 from typing import NewType, SupportsIndex
 
+from tiering._checks import is_int
 from tiering.errors import InvalidKeyError
 
 __all__ = [
@@ -61,12 +61,12 @@ def make_offload_key(
         raise _not_a_hash(block_hash)
     if not digest:
         raise InvalidKeyError("a block hash must not be empty, got b''")
-    if isinstance(group_idx, bool) or not isinstance(group_idx, numbers.Integral):
+    if not is_int(group_idx):
         raise InvalidKeyError(
             f"group_idx must be an int in [0, 2**32), got {_shown(group_idx)} "
             f"of type {type(group_idx).__name__}"
         )
-    group = int(group_idx)  # an int, or numpy's integers
+    group = operator.index(group_idx)  # an int, or numpy's integers
     if not 0 <= group < 1 << (8 * _GROUP_BYTES):
         raise InvalidKeyError(f"group_idx must be in [0, 2**32), got {group}")
     return OffloadKey(digest + group.to_bytes(_GROUP_BYTES, "big"))

@@ -1,18 +1,18 @@
-"""The seed configuration of a tier: what the engine needs to know about the model.
+"""The configuration of a tier: what the engine needs to know about the model.
 
-The records use the names and meanings of the configuration that servers built
-on vLLM hand to their offloading backends (vLLM's ``vllm/v1/kv_offload/config.py``),
-so a server can pass its own values through unchanged; `tiering.integrations.vllm`
-builds one from a live vLLM configuration.
+The records came with the seed (the original code this project started from,
+described in ``../shared/DESIGN.md``) and keep the names and meanings of the
+configuration that servers built on vLLM hand to their offloading backends
+(vLLM's ``vllm/v1/kv_offload/config.py``), so a server can pass its own values
+through unchanged; `tiering.integrations.vllm` builds one from a live vLLM config.
 
 Every record is a frozen, keyword-only msgspec Struct that refuses unknown
 fields. Values are checked in ``__post_init__``, which runs both when a record
 is built in Python and when it is decoded, so an `OffloadingConfig` that exists
-is a possible one. `load_config` reads one from a JSON or TOML file and turns
-every problem into a `ConfigError` that names the file, the field and the value:
-a wrong type carries msgspec's path to the field (``$.cache.blocks_per_chunk``),
-an impossible value the path to its record (``$.cache``) after a message that
-names the field and the value.
+is a possible one. `load_config` reads one from a JSON or TOML file through
+`tiering._decode`: every problem is one `ConfigError` naming the file, msgspec's
+path (``$.cache.blocks_per_chunk``; ``$.cache`` after a check's own message) and
+the value.
 
 ``model.dtype`` is a dtype torch knows (`TORCH_DTYPE_NAMES`) or one of vLLM's
 KV-cache dtypes (`VLLM_CACHE_DTYPES`). ``extra_config`` is vLLM's
@@ -30,7 +30,6 @@ import codecs
 import contextlib
 import difflib
 import os
-import re
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -39,6 +38,8 @@ from typing import Any
 
 import msgspec
 
+from tiering._checks import is_int
+from tiering._decode import closest_key, decode
 from tiering.errors import ConfigError
 
 __all__ = [
@@ -57,9 +58,8 @@ __all__ = [
 
 #: The cache policy a tier uses when none is named (one of
 #: `tiering.policies.POLICY_NAMES`): the dueling segmented LRU, which follows LRU
-#: or a segmented LRU, whichever sampled shadows say hits more: 1.8x-2.1x LRU on
-#: the conversation trace at 0.5-1 million tokens and never below it (figures
-#: in the README; `bench/policy.py` checks them).
+#: or a segmented LRU, whichever sampled shadows say hits more (by how much: the
+#: README's policy table, which `bench/policy.py` prints and checks).
 DEFAULT_POLICY = "dslru"
 
 #: What each of tiering's own ``extra_config`` keys counts (for the message that
@@ -144,20 +144,28 @@ VLLM_CACHE_DTYPES: Mapping[str, str] = MappingProxyType(
 )
 
 
-def _check_int(owner: str, name: str, value: object, minimum: int, meaning: str) -> None:
-    """Raise a `ConfigError` unless ``value`` is an int (not a bool) ``>= minimum``."""
-    if isinstance(value, bool) or not isinstance(value, int):
+def _check_int(
+    owner: str, name: str, value: object, minimum: int, meaning: str, *, none: str = ""
+) -> None:
+    """Raise a `ConfigError` unless ``value`` is an integer (not a bool) ``>= minimum``, or
+    None where ``none`` says what None means."""
+    if none:
+        if value is None:
+            return
+        meaning = f"{meaning}; None = {none}"
+    if not is_int(value):
         raise ConfigError(
             f"{owner}.{name} must be an integer ({meaning}), got {value!r} "
             f"of type {type(value).__name__}"
         )
-    if value < minimum:
+    if value < minimum:  # type: ignore[operator]
         raise ConfigError(f"{owner}.{name} must be >= {minimum} ({meaning}), got {value}")
 
 
-def _check_bool(owner: str, name: str, value: object, meaning: str) -> None:
+def _check_bool(owner: str, name: str, value: object, meaning: str = "") -> None:
     if not isinstance(value, bool):
-        raise ConfigError(f"{owner}.{name} must be a bool ({meaning}), got {value!r}")
+        meant = f" ({meaning})" if meaning else ""
+        raise ConfigError(f"{owner}.{name} must be a bool{meant}, got {value!r}")
 
 
 def _check_text(owner: str, name: str, value: object) -> None:
@@ -192,7 +200,7 @@ def _check_extra_values(owner: str, extra: Mapping[str, Any]) -> None:
         if key == "blocks_per_chunk" and isinstance(value, str):
             with contextlib.suppress(ValueError):  # not an integer: refused below
                 number = int(value.strip())
-        if isinstance(number, bool) or not isinstance(number, int) or number < 1:
+        if not is_int(number) or number < 1:
             raise ConfigError(
                 f"{owner}.extra_config[{key!r}] must be a positive integer ({meaning}), "
                 f"got {value!r} of type {type(value).__name__}"
@@ -207,13 +215,11 @@ def _check_extra_keys(owner: str, extra: Mapping[str, Any]) -> None:
     for key in extra:
         if key in TIERING_EXTRA_KEYS or key in SHARED_EXTRA_KEYS:
             continue
-        meant = difflib.get_close_matches(
-            key.lower(), sorted(TIERING_EXTRA_KEYS), n=1, cutoff=_MISSPELLING
-        )
+        meant = closest_key(key, sorted(TIERING_EXTRA_KEYS), cutoff=_MISSPELLING)
         if meant:
             raise ConfigError(
                 f"{owner}.extra_config has key {key!r}, which tiering does not read; did you "
-                f"mean {meant[0]!r}? tiering reads {sorted(TIERING_EXTRA_KEYS | SHARED_EXTRA_KEYS)}"
+                f"mean {meant!r}? tiering reads {sorted(TIERING_EXTRA_KEYS | SHARED_EXTRA_KEYS)}"
             )
 
 
@@ -268,22 +274,12 @@ class OffloadingGroupConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_un
                     f"{owner}.layer_names names layer {name!r} twice; each layer appears once"
                 )
             seen.add(name)
-        if self.sliding_window_size_in_chunks is not None:
-            _check_int(
-                owner,
-                "sliding_window_size_in_chunks",
-                self.sliding_window_size_in_chunks,
-                1,
-                "trailing chunks a request needs; None for full attention",
-            )
-        if self.group_id is not None:
-            _check_int(
-                owner,
-                "group_id",
-                self.group_id,
-                0,
-                "index in vLLM's kv_cache_groups; None = the group's position",
-            )
+        window, meaning = self.sliding_window_size_in_chunks, "trailing chunks a request needs"
+        _check_int(
+            owner, "sliding_window_size_in_chunks", window, 1, meaning, none="full attention"
+        )
+        meaning = "index in vLLM's kv_cache_groups"
+        _check_int(owner, "group_id", self.group_id, 0, meaning, none="the group's position")
 
 
 class OffloadingModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -370,21 +366,11 @@ class OffloadingParallelConfig(
         _check_int(
             owner, "data_parallel_index", self.data_parallel_index, 0, "data-parallel replica index"
         )
-        if not isinstance(self.is_parallelism_agnostic, bool):
-            raise ConfigError(
-                f"{owner}.is_parallelism_agnostic must be a bool, "
-                f"got {self.is_parallelism_agnostic!r}"
-            )
+        _check_bool(owner, "is_parallelism_agnostic", self.is_parallelism_agnostic)
         size = self.data_parallel_size
         _check_int(owner, "data_parallel_size", size, 0, "data-parallel replicas; 0 = unknown")
-        if self.data_parallel_rank_local is not None:
-            _check_int(
-                owner,
-                "data_parallel_rank_local",
-                self.data_parallel_rank_local,
-                0,
-                "local data-parallel rank in SPMD mode; None otherwise",
-            )
+        local, meaning = self.data_parallel_rank_local, "local data-parallel rank in SPMD mode"
+        _check_int(owner, "data_parallel_rank_local", local, 0, meaning, none="not in SPMD mode")
         for name in ("data_parallel_index", "data_parallel_rank_local"):
             value = getattr(self, name)
             if size and value is not None and value >= size:
@@ -451,11 +437,7 @@ class OffloadingConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
             0,
             "KV bytes per block on one worker; 0 = unknown",
         )
-        if not isinstance(self.enable_kv_cache_events, bool):
-            raise ConfigError(
-                f"{owner}.enable_kv_cache_events must be a bool, "
-                f"got {self.enable_kv_cache_events!r}"
-            )
+        _check_bool(owner, "enable_kv_cache_events", self.enable_kv_cache_events)
         extra = self.extra_config
         if isinstance(extra, Mapping) and not isinstance(extra, dict):
             extra = dict(extra)
@@ -599,33 +581,8 @@ def load_config(path: str | os.PathLike[str]) -> OffloadingConfig:
         data = msgspec.json.decode(raw) if suffix == ".json" else _parse_toml(raw, source)
     except msgspec.DecodeError as exc:
         raise ConfigError(f"config file {str(source)!r} is not valid JSON: {exc}") from exc
-    try:
-        return msgspec.convert(data, OffloadingConfig)
-    except msgspec.ValidationError as exc:
-        raise ConfigError(
-            f"invalid config file {str(source)!r}: {exc}{_value_at(data, str(exc))}"
-        ) from exc
-
-
-_PATH = re.compile(r"- at `\$((?:\.[A-Za-z_][A-Za-z0-9_]*|\[\d+\])+)`$")
-_STEP = re.compile(r"\.([A-Za-z_][A-Za-z0-9_]*)|\[(\d+)\]")
-
-
-def _value_at(data: object, message: str) -> str:
-    """`` (value: ...)`` for the field a msgspec error message points at, if it is there."""
-    match = _PATH.search(message)
-    if match is None:
-        return ""
-    value = data
-    for name, index in _STEP.findall(match.group(1)):
-        if name and isinstance(value, dict) and name in value:
-            value = value[name]
-        elif index and isinstance(value, list) and int(index) < len(value):
-            value = value[int(index)]
-        else:
-            return ""
-    text = repr(value)
-    return f" (value: {text if len(text) <= 80 else text[:77] + '...'})"
+    context = f"invalid config file {str(source)!r}: "
+    return decode(OffloadingConfig, data, context=context, json_paths=True)
 
 
 def _parse_toml(raw: bytes, source: Path) -> dict[str, Any]:

@@ -22,6 +22,7 @@ import enum
 
 import msgspec
 
+from tiering._checks import is_int
 from tiering.errors import ConfigError
 
 __all__ = [
@@ -130,7 +131,7 @@ def offset_endpoint(where: str, endpoint: str, data_parallel_rank: int) -> str:
     ``inproc://`` name gets ``_dp<rank>``. vLLM refuses to offset any other
     transport, and so does this (`ConfigError`), as it does a port past 65535.
     """
-    if isinstance(data_parallel_rank, bool) or not isinstance(data_parallel_rank, int):
+    if not is_int(data_parallel_rank):
         raise ConfigError(
             f"the data-parallel rank must be an integer >= 0, got {data_parallel_rank!r}"
         )
@@ -175,7 +176,7 @@ def _same_address(a: str, b: str) -> bool:
 
 
 def _check_count(name: str, value: object, minimum: int, meaning: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if not is_int(value) or value < minimum:  # type: ignore[operator]
         raise ConfigError(
             f"KVEventsConfig.{name} must be an integer >= {minimum} ({meaning}), got {value!r}"
         )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import heapq
 import math
 
+from tiering import _checks as checks
 from tiering.errors import WorkloadError
 from tiering.workload.trace import BLOCK_TOKENS, Request
 
@@ -35,23 +36,12 @@ BATCH = 64
 
 def check_int(name: str, value: object, minimum: int) -> int:
     """``value`` if it is an integer ``>= minimum``, else a `WorkloadError` naming it."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise WorkloadError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
+    return checks.check_int(name, value, minimum=minimum, error=WorkloadError)
 
 
 def check_real(name: str, value: object, minimum: float, *, inclusive: bool) -> float:
     """``value`` as a float if it is a finite number above (or at) ``minimum``."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value < minimum
-        or (value == minimum and not inclusive)
-    ):
-        bound = ">=" if inclusive else ">"
-        raise WorkloadError(f"{name} must be a finite number {bound} {minimum:g}, got {value!r}")
-    return float(value)
+    return checks.check_real(name, value, minimum=minimum, inclusive=inclusive, error=WorkloadError)
 
 
 def check_request_count(num_requests: object) -> int:

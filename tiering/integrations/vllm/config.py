@@ -1,5 +1,6 @@
 """Build an `OffloadingConfig` from a live vLLM configuration, without importing vLLM.
 
+The seed is the original code this project started from (``../shared/DESIGN.md``).
 `build_offloading_config` follows the seed's version of vLLM's function of that
 name (``vllm/distributed/kv_transfer/kv_connector/v1/offloading/config.py``) and
 the helpers it calls (``resolve_kv_cache_block_sizes`` for the prefix-hash block
@@ -54,10 +55,13 @@ For ``is_parallelism_agnostic`` the single group's spec must also have
 from __future__ import annotations
 
 import math
-import operator
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Annotated
 
+import msgspec
+from msgspec import Meta
+
+from tiering._decode import decode
 from tiering.config import (
     OffloadingCacheConfig,
     OffloadingConfig,
@@ -66,10 +70,15 @@ from tiering.config import (
     OffloadingParallelConfig,
 )
 from tiering.errors import ConfigError
+from tiering.integrations.vllm.duck import (
+    as_int,
+    as_iterable,
+    attr,
+    attr_int,
+    from_vllm_offloading_config,
+)
 
 __all__ = ["build_offloading_config", "from_vllm_offloading_config", "is_kv_cache_tensor_packed"]
-
-_ABSENT: Any = object()
 
 _SLIDING_WINDOW_SPECS = frozenset({"SlidingWindowSpec", "SlidingWindowMLASpec"})
 _MAMBA_SPEC = "MambaSpec"
@@ -82,35 +91,6 @@ _KNOWN_SPECS = "FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec or MambaS
 # --- reading duck-typed objects --------------------------------------------------------
 
 
-def _get(obj: object, path: str, name: str, default: Any = _ABSENT) -> Any:
-    """``obj.name``; a `ConfigError` naming ``path.name`` when it is missing and required."""
-    value = getattr(obj, name, default)
-    if value is _ABSENT:
-        raise ConfigError(
-            f"{path}.{name} is missing; tiering reads it (the object is a {type(obj).__name__})"
-        )
-    return value
-
-
-def _as_int(value: object, where: str, minimum: int) -> int:
-    """``value`` as an int ``>= minimum`` (ints and numpy integers; not bools or floats)."""
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        number = operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise ConfigError(
-            f"{where} must be an integer, got {value!r} of type {type(value).__name__}"
-        ) from None
-    if number < minimum:
-        raise ConfigError(f"{where} must be >= {minimum}, got {number}")
-    return number
-
-
-def _get_int(obj: object, path: str, name: str, minimum: int, default: Any = _ABSENT) -> int:
-    return _as_int(_get(obj, path, name, default), f"{path}.{name}", minimum)
-
-
 def _class_names(spec: object) -> frozenset[str]:
     return frozenset(cls.__name__ for cls in type(spec).__mro__)
 
@@ -119,7 +99,7 @@ def _layer_specs(spec: object, path: str) -> list[object]:
     """The per-layer specs of a group's spec (every value of a uniform-type spec)."""
     if _UNIFORM_SPECS not in _class_names(spec):
         return [spec]
-    inner = _get(spec, path, "kv_cache_specs")
+    inner = attr(spec, path, "kv_cache_specs")
     if not isinstance(inner, Mapping) or not inner:
         raise ConfigError(f"{path}.kv_cache_specs must be a non-empty mapping, got {inner!r}")
     return list(inner.values())
@@ -140,7 +120,7 @@ def is_kv_cache_tensor_packed(kv_cache_tensor: object) -> bool:
     stride = getattr(kv_cache_tensor, "block_stride", 0)
     if stride is None:
         return False
-    return _as_int(stride, "kv_cache_tensor.block_stride", 0) != 0
+    return as_int(stride, "kv_cache_tensor.block_stride", 0) != 0
 
 
 # --- the pieces of the config ----------------------------------------------------------
@@ -158,15 +138,15 @@ def _tokens_per_hash(
     not in ``"align"`` mode, else ``prefix_match_unit`` when set, else the GCD
     of the prefix-cacheable groups' block sizes (of all, where none is).
     """
-    cache_config = _get(vllm_config, "vllm_config", "cache_config")
+    cache_config = attr(vllm_config, "vllm_config", "cache_config")
     cache_path = "vllm_config.cache_config"
-    parallel_config = _get(vllm_config, "vllm_config", "parallel_config")
+    parallel_config = attr(vllm_config, "vllm_config", "parallel_config")
     parallel_path = "vllm_config.parallel_config"
-    dcp = _get_int(parallel_config, parallel_path, "decode_context_parallel_size", 1)
-    pcp = _get_int(parallel_config, parallel_path, "prefill_context_parallel_size", 1, 1)
-    cache_block_size = _get_int(cache_config, cache_path, "block_size", 1)
-    requested = _get(cache_config, cache_path, "prefix_match_unit", None)
-    unit = None if requested is None else _as_int(requested, f"{cache_path}.prefix_match_unit", 1)
+    dcp = attr_int(parallel_config, parallel_path, "decode_context_parallel_size", 1)
+    pcp = attr_int(parallel_config, parallel_path, "prefill_context_parallel_size", 1, 1)
+    cache_block_size = attr_int(cache_config, cache_path, "block_size", 1)
+    requested = attr(cache_config, cache_path, "prefix_match_unit", None)
+    unit = None if requested is None else as_int(requested, f"{cache_path}.prefix_match_unit", 1)
     if len(block_sizes) <= 1:
         size = cache_block_size * dcp * pcp
         if block_sizes and unit is not None and unit != size:
@@ -182,7 +162,7 @@ def _tokens_per_hash(
             f"decode_context_parallel_size={dcp}, prefill_context_parallel_size={pcp}; "
             "hybrid KV-cache groups do not support context parallelism: set both to 1"
         )
-    default_mode = _get(cache_config, cache_path, "mamba_cache_mode", "none")
+    default_mode = attr(cache_config, cache_path, "mamba_cache_mode", "none")
     for index, spec in enumerate(specs):
         path = f"kv_cache_config.kv_cache_groups[{index}].kv_cache_spec"
         for layer_spec in _layer_specs(spec, path):
@@ -208,9 +188,21 @@ def _tokens_per_hash(
     return unit
 
 
-def _extra_int(extra: Mapping[str, Any], key: str) -> int | None:
-    """``extra[key]`` as a positive int (vLLM accepts ints and integer strings), or None."""
-    value = extra.get(key)
+#: An integer, or a string of one, as vLLM's extra config allows.
+_IntLike = Annotated[int | str | None, Meta(description="an integer")]
+
+
+class _ExtraKeys(msgspec.Struct, frozen=True, kw_only=True):
+    """The chunk-size keys of ``kv_connector_extra_config`` (the other keys are vLLM's,
+    or another spec's: not refused). ``canonical_layout`` is read apart, for the
+    message that says what vLLM would make of a string."""
+
+    block_size: _IntLike = None
+    blocks_per_chunk: _IntLike = None
+
+
+def _extra_int(value: int | str | None, key: str) -> int | None:
+    """``value`` as a positive int (an integer string too), or None."""
     if value is None:
         return None
     where = f"kv_connector_extra_config[{key!r}]"
@@ -219,13 +211,13 @@ def _extra_int(extra: Mapping[str, Any], key: str) -> int | None:
             value = int(value.strip())
         except ValueError:
             raise ConfigError(f"{where} must be a positive integer, got {value!r}") from None
-    return _as_int(value, where, 1)
+    return as_int(value, where, 1)
 
 
-def _blocks_per_chunk(extra: Mapping[str, Any], tokens_per_block: Sequence[int]) -> int:
+def _blocks_per_chunk(extra: _ExtraKeys, tokens_per_block: Sequence[int]) -> int:
     """GPU blocks per chunk, from ``block_size`` (tokens per chunk) or ``blocks_per_chunk``."""
-    tokens_per_chunk = _extra_int(extra, "block_size")
-    blocks_per_chunk = _extra_int(extra, "blocks_per_chunk")
+    tokens_per_chunk = _extra_int(extra.block_size, "block_size")
+    blocks_per_chunk = _extra_int(extra.blocks_per_chunk, "blocks_per_chunk")
     if tokens_per_chunk is not None and blocks_per_chunk is not None:
         raise ConfigError(
             f"kv_connector_extra_config sets both 'block_size' ({tokens_per_chunk} tokens per "
@@ -259,7 +251,7 @@ def _window_in_chunks(spec: object, path: str, tokens_per_chunk: int) -> int | N
     kind_spec = _layer_kind_spec(spec, path)
     kinds = _class_names(kind_spec)
     if kinds & _SLIDING_WINDOW_SPECS:
-        window = _get_int(kind_spec, path, "sliding_window", 1)
+        window = attr_int(kind_spec, path, "sliding_window", 1)
         return -(-window // tokens_per_chunk)
     if _MAMBA_SPEC in kinds:
         return 1  # a Mamba layer depends on one state: its last chunk
@@ -273,11 +265,11 @@ def _window_in_chunks(spec: object, path: str, tokens_per_chunk: int) -> int | N
 
 def _worker_kv_bytes_per_block(kv_cache_config: object) -> int:
     path = "kv_cache_config"
-    num_blocks = _get_int(kv_cache_config, path, "num_blocks", 0)
+    num_blocks = attr_int(kv_cache_config, path, "num_blocks", 0)
     if num_blocks == 0:
         return 0  # the scheduler side does not know the GPU layout
     tensors = list(
-        _iterable(_get(kv_cache_config, path, "kv_cache_tensors"), path, "kv_cache_tensors")
+        as_iterable(attr(kv_cache_config, path, "kv_cache_tensors"), path, "kv_cache_tensors")
     )
     packed = [is_kv_cache_tensor_packed(tensor) for tensor in tensors]
     is_packed = any(packed)
@@ -288,18 +280,12 @@ def _worker_kv_bytes_per_block(kv_cache_config: object) -> int:
             f"{[i for i, p in enumerate(packed) if not p]}); all must use one layout"
         )
     sizes = [
-        _get_int(tensor, f"{path}.kv_cache_tensors[{index}]", "size", 0)
+        attr_int(tensor, f"{path}.kv_cache_tensors[{index}]", "size", 0)
         for index, tensor in enumerate(tensors)
     ]
     # Packed tensors are views of one allocation: the first one's size is the whole.
     total = sizes[0] if is_packed else sum(sizes)
     return total // num_blocks
-
-
-def _iterable(value: object, path: str, name: str) -> Iterable[Any]:
-    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-        raise ConfigError(f"{path}.{name} must be a sequence, got {value!r}")
-    return value
 
 
 def _is_parallelism_agnostic(
@@ -311,7 +297,7 @@ def _is_parallelism_agnostic(
     under context parallelism (tokens are sharded across ranks) and with
     per-token-head KV quantization (scales ride with the layout).
     """
-    if _get(vllm_config, "vllm_config", "use_v2_model_runner", False):
+    if attr(vllm_config, "vllm_config", "use_v2_model_runner", False):
         return False
     if len(specs) != 1 or dcp != 1 or pcp != 1:
         return False
@@ -323,22 +309,22 @@ def _is_parallelism_agnostic(
     if getattr(quant_mode, "is_per_token_head", False):
         return False
     path = "kv_cache_config.kv_cache_groups[0].kv_cache_spec"
-    heads = _get_int(spec, path, "num_kv_heads", 1)
-    model_config = _get(vllm_config, "vllm_config", "model_config")
-    total_heads = _get(model_config, "vllm_config.model_config", "get_total_num_kv_heads")
+    heads = attr_int(spec, path, "num_kv_heads", 1)
+    model_config = attr(vllm_config, "vllm_config", "model_config")
+    total_heads = attr(model_config, "vllm_config.model_config", "get_total_num_kv_heads")
     if not callable(total_heads):
         raise ConfigError("vllm_config.model_config.get_total_num_kv_heads must be a method")
-    total = _as_int(total_heads(), "vllm_config.model_config.get_total_num_kv_heads()", 1)
+    total = as_int(total_heads(), "vllm_config.model_config.get_total_num_kv_heads()", 1)
     return heads * tp == total
 
 
 def _cache_dtype(vllm_config: object) -> str:
-    cache_config = _get(vllm_config, "vllm_config", "cache_config")
-    dtype = _get(cache_config, "vllm_config.cache_config", "cache_dtype")
+    cache_config = attr(vllm_config, "vllm_config", "cache_config")
+    dtype = attr(cache_config, "vllm_config.cache_config", "cache_dtype")
     where = "vllm_config.cache_config.cache_dtype"
     if dtype == "auto":
-        model_config = _get(vllm_config, "vllm_config", "model_config")
-        dtype = _get(model_config, "vllm_config.model_config", "dtype")
+        model_config = attr(vllm_config, "vllm_config", "model_config")
+        dtype = attr(model_config, "vllm_config.model_config", "dtype")
         where = "vllm_config.model_config.dtype"
     text = str(dtype)
     if not (isinstance(dtype, str) and dtype) and not text.startswith("torch."):
@@ -383,14 +369,14 @@ def build_offloading_config(vllm_config: object, kv_cache_config: object) -> Off
 
     Every problem, including a missing attribute, is a `ConfigError`.
     """
-    transfer = _get(vllm_config, "vllm_config", "kv_transfer_config")
+    transfer = attr(vllm_config, "vllm_config", "kv_transfer_config")
     if transfer is None:
         raise ConfigError(
             "vllm_config.kv_transfer_config is None; offloading needs a KV transfer config "
             "(vLLM's --kv-transfer-config naming an offloading connector)"
         )
     transfer_path = "vllm_config.kv_transfer_config"
-    extra = _get(transfer, transfer_path, "kv_connector_extra_config")
+    extra = attr(transfer, transfer_path, "kv_connector_extra_config")
     if extra is None:
         extra = {}
     if not isinstance(extra, Mapping) or not all(isinstance(key, str) for key in extra):
@@ -398,23 +384,23 @@ def build_offloading_config(vllm_config: object, kv_cache_config: object) -> Off
             f"{transfer_path}.kv_connector_extra_config must be a mapping with string keys, "
             f"got {extra!r}"
         )
-    engine_id = _get(transfer, transfer_path, "engine_id")
+    engine_id = attr(transfer, transfer_path, "engine_id")
     if not isinstance(engine_id, str) or not engine_id:
         raise ConfigError(
             f"{transfer_path}.engine_id must be a non-empty string, got {engine_id!r}; "
             "vLLM sets one per data-parallel rank (or pass --kv-transfer-config with engine_id)"
         )
 
-    parallel_config = _get(vllm_config, "vllm_config", "parallel_config")
+    parallel_config = attr(vllm_config, "vllm_config", "parallel_config")
     parallel_path = "vllm_config.parallel_config"
-    dcp = _get_int(parallel_config, parallel_path, "decode_context_parallel_size", 1)
-    pcp = _get_int(parallel_config, parallel_path, "prefill_context_parallel_size", 1, 1)
-    tp = _get_int(parallel_config, parallel_path, "tensor_parallel_size", 1)
+    dcp = attr_int(parallel_config, parallel_path, "decode_context_parallel_size", 1)
+    pcp = attr_int(parallel_config, parallel_path, "prefill_context_parallel_size", 1, 1)
+    tp = attr_int(parallel_config, parallel_path, "tensor_parallel_size", 1)
 
     groups_path = "kv_cache_config.kv_cache_groups"
     raw_groups = list(
-        _iterable(
-            _get(kv_cache_config, "kv_cache_config", "kv_cache_groups"),
+        as_iterable(
+            attr(kv_cache_config, "kv_cache_config", "kv_cache_groups"),
             "kv_cache_config",
             "kv_cache_groups",
         )
@@ -424,10 +410,10 @@ def build_offloading_config(vllm_config: object, kv_cache_config: object) -> Off
     layer_names: list[tuple[str, ...]] = []
     for index, group in enumerate(raw_groups):
         path = f"{groups_path}[{index}]"
-        spec = _get(group, path, "kv_cache_spec")
+        spec = attr(group, path, "kv_cache_spec")
         specs.append(spec)
-        block_sizes.append(_get_int(spec, f"{path}.kv_cache_spec", "block_size", 1))
-        names = tuple(_iterable(_get(group, path, "layer_names"), path, "layer_names"))
+        block_sizes.append(attr_int(spec, f"{path}.kv_cache_spec", "block_size", 1))
+        names = tuple(as_iterable(attr(group, path, "layer_names"), path, "layer_names"))
         if not all(isinstance(name, str) for name in names):
             raise ConfigError(f"{path}.layer_names must hold strings, got {list(names)!r}")
         layer_names.append(names)
@@ -444,7 +430,8 @@ def build_offloading_config(vllm_config: object, kv_cache_config: object) -> Off
                 "so that every group's block size aligns with the hash block size"
             )
 
-    blocks_per_chunk = _blocks_per_chunk(extra, tokens_per_block)
+    keys = decode(_ExtraKeys, dict(extra), where=f"{transfer_path}.kv_connector_extra_config")
+    blocks_per_chunk = _blocks_per_chunk(keys, tokens_per_block)
     groups = tuple(
         OffloadingGroupConfig(
             tokens_per_block=tokens,
@@ -459,9 +446,9 @@ def build_offloading_config(vllm_config: object, kv_cache_config: object) -> Off
         )
     )
 
-    events_config = _get(vllm_config, "vllm_config", "kv_events_config", None)
+    events_config = attr(vllm_config, "vllm_config", "kv_events_config", None)
     enable_events = events_config is not None and bool(
-        _get(events_config, "vllm_config.kv_events_config", "enable_kv_cache_events")
+        attr(events_config, "vllm_config.kv_events_config", "enable_kv_cache_events")
     )
     canonical_layout = extra.get("canonical_layout", False)
     if not isinstance(canonical_layout, bool):
@@ -470,17 +457,17 @@ def build_offloading_config(vllm_config: object, kv_cache_config: object) -> Off
             f"false, got {canonical_layout!r} of type {type(canonical_layout).__name__} "
             "(vLLM would take any value by its truth, the string 'false' as true)"
         )
-    cache_config = _get(vllm_config, "vllm_config", "cache_config")
-    kv_cache_layout = _get(cache_config, "vllm_config.cache_config", "kv_cache_layout", None)
+    cache_config = attr(vllm_config, "vllm_config", "cache_config")
+    kv_cache_layout = attr(cache_config, "vllm_config.cache_config", "kv_cache_layout", None)
     if kv_cache_layout is not None and not (isinstance(kv_cache_layout, str) and kv_cache_layout):
         raise ConfigError(
             "vllm_config.cache_config.kv_cache_layout must be the name of a KVCacheLayout "
             f"(e.g. 'LBNHC') or None, got {kv_cache_layout!r}"
         )
-    dp_rank_local = _get(parallel_config, parallel_path, "data_parallel_rank_local", None)
-    model_config = _get(vllm_config, "vllm_config", "model_config")
+    dp_rank_local = attr(parallel_config, parallel_path, "data_parallel_rank_local", None)
+    model_config = attr(vllm_config, "vllm_config", "model_config")
     model_path = "vllm_config.model_config"
-    model_name = _get(model_config, model_path, "model")
+    model_name = attr(model_config, model_path, "model")
     if not isinstance(model_name, str) or not model_name:
         raise ConfigError(f"{model_path}.model must be a non-empty string, got {model_name!r}")
     return OffloadingConfig(
@@ -492,139 +479,28 @@ def build_offloading_config(vllm_config: object, kv_cache_config: object) -> Off
         model=OffloadingModelConfig(
             name=model_name,
             dtype=_cache_dtype(vllm_config),
-            max_model_len=_get_int(model_config, model_path, "max_model_len", 0),
+            max_model_len=attr_int(model_config, model_path, "max_model_len", 0),
         ),
         cache=OffloadingCacheConfig(
             tokens_per_hash=tokens_per_hash, blocks_per_chunk=blocks_per_chunk
         ),
         parallel=OffloadingParallelConfig(
-            rank=_get_int(parallel_config, parallel_path, "rank", 0),
-            world_size=_get_int(parallel_config, parallel_path, "world_size", 1),
+            rank=attr_int(parallel_config, parallel_path, "rank", 0),
+            world_size=attr_int(parallel_config, parallel_path, "world_size", 1),
             tp_size=tp,
-            pp_size=_get_int(parallel_config, parallel_path, "pipeline_parallel_size", 1),
+            pp_size=attr_int(parallel_config, parallel_path, "pipeline_parallel_size", 1),
             pcp_size=pcp,
             dcp_size=dcp,
-            data_parallel_index=_get_int(parallel_config, parallel_path, "data_parallel_index", 0),
+            data_parallel_index=attr_int(parallel_config, parallel_path, "data_parallel_index", 0),
             is_parallelism_agnostic=_is_parallelism_agnostic(vllm_config, specs, dcp, pcp, tp),
-            data_parallel_size=_get_int(parallel_config, parallel_path, "data_parallel_size", 0, 0),
+            data_parallel_size=attr_int(parallel_config, parallel_path, "data_parallel_size", 0, 0),
             data_parallel_rank_local=(
                 None
                 if dp_rank_local is None
-                else _as_int(dp_rank_local, f"{parallel_path}.data_parallel_rank_local", 0)
+                else as_int(dp_rank_local, f"{parallel_path}.data_parallel_rank_local", 0)
             ),
         ),
         replicated_layout=False,
         canonical_layout=canonical_layout,
         kv_cache_layout=kv_cache_layout,
     )
-
-
-# --- vLLM's own config, converted ------------------------------------------------------
-
-
-def _vllm_int(obj: object, path: str, name: str, default: Any = _ABSENT) -> Any:
-    """``obj.name`` as an int where it is one (numpy integers too); else as it came.
-
-    The records check the value; this only names a missing field by its path.
-    """
-    value = _get(obj, path, name, default)
-    if isinstance(value, bool) or value is None:
-        return value
-    try:
-        return operator.index(value)
-    except TypeError:
-        return value
-
-
-def from_vllm_offloading_config(config: object) -> OffloadingConfig:
-    """tiering's `OffloadingConfig` for vLLM's own (``vllm.v1.kv_offload.config``), duck-typed.
-
-    Lossless: every field of vLLM 0.33's dataclasses has a field of the same
-    name and value here (groups in order with ``group_id``,
-    ``tokens_per_block``, ``layer_names``, ``sliding_window_size_in_chunks``;
-    ``worker_kv_bytes_per_block``, 0 on the scheduler side;
-    ``enable_kv_cache_events``; ``extra_config``, copied into a dict;
-    ``engine_id``; ``model``, ``cache`` and every ``parallel`` field;
-    ``replicated_layout``, ``canonical_layout``, ``kv_cache_layout``). The
-    fields vLLM gives defaults (``sliding_window_size_in_chunks``,
-    ``max_model_len`` and the three layout fields) may be absent, with vLLM's
-    defaults; any other missing one is a `ConfigError` naming its path
-    (``config.parallel.data_parallel_size``).
-
-    tiering checks what vLLM only carries. A value tiering refuses is a
-    `ConfigError` that names the field and says it came from vLLM: notably an
-    ``extra_config`` value of one of tiering's own keys that is not a positive
-    integer (vLLM truncates ``blocks_per_chunk`` 2.7 to 2; tiering asks for 2),
-    a key that looks like a misspelling of one of them, or a cache dtype that
-    neither torch nor vLLM 0.33 names (a platform's own registered dtype).
-    """
-    path = "config"
-    groups: list[OffloadingGroupConfig] = []
-    for index, group in enumerate(_iterable(_get(config, path, "groups"), path, "groups")):
-        where = f"{path}.groups[{index}]"
-        fields = {
-            "tokens_per_block": _vllm_int(group, where, "tokens_per_block"),
-            "layer_names": tuple(
-                _iterable(_get(group, where, "layer_names"), where, "layer_names")
-            ),
-            "sliding_window_size_in_chunks": _vllm_int(
-                group, where, "sliding_window_size_in_chunks", None
-            ),
-            "group_id": _vllm_int(group, where, "group_id"),
-        }
-        try:
-            groups.append(OffloadingGroupConfig(**fields))
-        except ConfigError as exc:
-            raise ConfigError(f"vLLM's {where} cannot be taken: {exc}") from exc
-    extra = _get(config, path, "extra_config")
-    if not isinstance(extra, Mapping):
-        raise ConfigError(f"vLLM's {path}.extra_config must be a mapping, got {extra!r}")
-    model, model_path = _get(config, path, "model"), f"{path}.model"
-    cache, cache_path = _get(config, path, "cache"), f"{path}.cache"
-    parallel, parallel_path = _get(config, path, "parallel"), f"{path}.parallel"
-    model_fields = {
-        "name": _get(model, model_path, "name"),
-        "dtype": _get(model, model_path, "dtype"),
-        "max_model_len": _vllm_int(model, model_path, "max_model_len", 0),
-    }
-    cache_fields = {
-        "tokens_per_hash": _vllm_int(cache, cache_path, "tokens_per_hash"),
-        "blocks_per_chunk": _vllm_int(cache, cache_path, "blocks_per_chunk"),
-    }
-    parallel_fields = {
-        name: _vllm_int(parallel, parallel_path, name) for name in _VLLM_PARALLEL_FIELDS
-    }
-    top = {
-        "worker_kv_bytes_per_block": _vllm_int(config, path, "worker_kv_bytes_per_block"),
-        "enable_kv_cache_events": _get(config, path, "enable_kv_cache_events"),
-        "engine_id": _get(config, path, "engine_id"),
-        "replicated_layout": _get(config, path, "replicated_layout", False),
-        "canonical_layout": _get(config, path, "canonical_layout", False),
-        "kv_cache_layout": _get(config, path, "kv_cache_layout", None),
-    }
-    try:
-        return OffloadingConfig(
-            groups=tuple(groups),
-            extra_config=dict(extra),
-            model=OffloadingModelConfig(**model_fields),
-            cache=OffloadingCacheConfig(**cache_fields),
-            parallel=OffloadingParallelConfig(**parallel_fields),
-            **top,
-        )
-    except ConfigError as exc:
-        raise ConfigError(f"vLLM's OffloadingConfig cannot be taken: {exc}") from exc
-
-
-#: The fields of vLLM 0.33's ``OffloadingParallelConfig``, every one required.
-_VLLM_PARALLEL_FIELDS = (
-    "rank",
-    "world_size",
-    "tp_size",
-    "pp_size",
-    "pcp_size",
-    "dcp_size",
-    "data_parallel_index",
-    "data_parallel_size",
-    "data_parallel_rank_local",
-    "is_parallelism_agnostic",
-)

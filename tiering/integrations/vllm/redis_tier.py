@@ -1,14 +1,9 @@
 """tiering's Redis tier as a secondary tier of vLLM's own ``TieringOffloadingSpec``.
 
-A ``secondary_tiers`` entry loads it::
-
-    {"type": "RedisSecondaryTier", "module_path": "tiering.integrations.vllm",
-     "url_env": "TIERING_REMOTE_URL", "namespace": "prod", "timeout_s": 2.0}
-
-``url_env`` names the environment variable holding the URL (password included),
-or ``url`` gives a URL without a password and ``password_file`` the file whose
-first line is the password: vLLM logs ``--kv-transfer-config`` at startup, so
-the entry itself should hold no secret (a ``url`` with a password is warned of).
+A ``secondary_tiers`` entry loads it; its keys are decoded by
+`tiering.integrations.vllm.extra.RedisEntry`, whose module shows one (vLLM logs
+``--kv-transfer-config`` at startup: give the URL by ``url_env``, or the password
+by ``password_file``; a ``url`` with a password is warned of).
 
 What it adds to vLLM: a shared store whose values check themselves
 (`tiering.secondary.codec`: header, namespace digest, key and checksum, all
@@ -64,8 +59,8 @@ import contextlib
 import logging
 import queue
 import time
-from collections.abc import Collection, Iterable, Mapping
-from typing import Any, ClassVar
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
+from typing import Any, ClassVar, TypeVar
 
 import anyio.from_thread
 import msgspec
@@ -85,18 +80,17 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from tiering._state import ResourceState
+from tiering._state import Lifecycle
 from tiering.errors import ConfigError
-from tiering.secondary.auth import AuthKey
-from tiering.secondary.base import Locality as TierLocality
+from tiering.integrations.vllm.extra import VLLM_ENTRY_KEYS, redis_options, remote_namespace
 from tiering.secondary.base import SecondaryStatistics, describe
-from tiering.secondary.codec import RemoteNamespace
-from tiering.secondary.redis import RedisTier, redact_url
-from tiering.secondary.redis.address import resolve_url
+from tiering.secondary.redis import RedisTier
 
 __all__ = ["RedisSecondaryTier", "RedisSecondaryTierStatistics", "remote_namespace"]
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 #: Why chunks handed to `submit_store` were not written, beside `RedisTier`'s reasons.
 DROPPED_QUEUE_FULL = "queue full"
@@ -114,8 +108,6 @@ METRIC_LOOKUPS_DEFERRED = _PREFIX + "lookups_deferred"
 METRIC_UP = _PREFIX + "up"
 
 _INFO_KEYS = ("redis_url", "redis_namespace", "redis_checksum")
-#: The keys of a ``secondary_tiers`` entry that vLLM's factory reads, not the tier.
-_VLLM_ENTRY_KEYS = frozenset({"type", "module_path", "backpressure"})
 
 
 class RedisSecondaryTierStatistics(msgspec.Struct, frozen=True, kw_only=True):
@@ -157,22 +149,7 @@ class _Lookup:
 class RedisSecondaryTier(SecondaryTierManager):
     """A vLLM ``SecondaryTierManager`` over tiering's `RedisTier` (see the module docstring).
 
-    Entry keys (beside vLLM's ``type``, ``module_path`` and ``backpressure``):
-    ``url_env`` (the name of an environment variable holding the URL) or ``url``
-    (``redis://`` or ``rediss://``, as `RedisTier` takes it), ``password_file``
-    (the password, read from a file's first line, for a URL that holds none),
-    ``namespace`` (an operator's split of one store), ``ttl_s``, ``timeout_s``,
-    ``connect_timeout_s``, ``cluster``, ``max_batch``, ``max_concurrency``,
-    ``backoff_s`` (``[first, longest]``), ``checksum`` (``xxh3`` or ``ml64``),
-    ``auth_key_file`` (a file holding the secret shared by every engine of the
-    store: values are written with a MAC under it and only values with a valid
-    one are loaded; without it, the variable ``TIERING_AUTH_KEY`` if set),
-    ``locality`` (``REMOTE`` or ``LOCAL``), ``max_lookups_in_flight``,
-    ``max_store_jobs``, ``enable_kv_events`` (``BlockStored`` events for
-    chunks written; Redis evicts and expires values on its own, so no removal
-    is ever announced) and ``connect_on_start`` (connect in the constructor and
-    raise `ConfigError` for a wrong URL, credentials or server; by default
-    the first call connects, and a server that is away is only counted).
+    Its entry's keys, and what each means: `tiering.integrations.vllm.extra.RedisEntry`.
     """
 
     medium: ClassVar[Medium] = Medium.STORAGE
@@ -187,22 +164,22 @@ class RedisSecondaryTier(SecondaryTierManager):
         **entry: Any,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
-        options = _Options(tier_type, entry)
+        options = redis_options(tier_type, entry)
         self.locality = Locality(options.locality.value)
         self.namespace = remote_namespace(
-            offloading_spec.config, self.block_size_bytes, options.namespace
+            offloading_spec.config, self.block_size_bytes, options.keys.namespace
         )
-        self._max_lookups = options.max_lookups_in_flight
-        self._max_store_jobs = options.max_store_jobs
+        self._max_lookups = options.keys.max_lookups_in_flight
+        self._max_store_jobs = options.keys.max_store_jobs
         events_on = bool(offloading_spec.kv_events_config.enable_kv_cache_events)
-        if options.enable_kv_events and not events_on:
+        if options.keys.enable_kv_events and not events_on:
             logger.warning(
                 "enable_kv_events is set on secondary tier %r but KV cache events are "
                 "disabled (kv_events_config): the tier emits none",
                 tier_type,
             )
         self._events: list[OffloadingEvent] | None = (
-            [] if options.enable_kv_events and events_on else None
+            [] if options.keys.enable_kv_events and events_on else None
         )
         if options.password_in_entry:
             logger.warning(
@@ -257,8 +234,8 @@ class RedisSecondaryTier(SecondaryTierManager):
         self._reported_up: int | None = None
         self._stack = contextlib.ExitStack()
         self._portal = self._stack.enter_context(anyio.from_thread.start_blocking_portal())
-        self._state = ResourceState.OPEN
-        if options.connect_on_start:
+        self._life = Lifecycle("the Redis secondary tier", opened=True)
+        if options.keys.connect_on_start:
             try:
                 self._portal.call(self._tier.connect)
             except BaseException:
@@ -275,7 +252,7 @@ class RedisSecondaryTier(SecondaryTierManager):
     # -- lookups ----------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: Any) -> LookupResult:
-        if self._state is not ResourceState.OPEN:
+        if not self._life.is_open:
             return LookupResult.MISS
         self._take_answers()
         state = self._lookups.get(key)
@@ -295,7 +272,7 @@ class RedisSecondaryTier(SecondaryTierManager):
     def on_schedule_end(self, context: Any) -> None:
         """Send this step's new lookups to Redis as one call."""
         self._take_answers()
-        if not self._queued or self._state is not ResourceState.OPEN:
+        if not self._queued or not self._life.is_open:
             return
         batch = [(k, s) for k, s in self._queued if self._lookups.get(k) is s]
         self._queued = []
@@ -309,13 +286,8 @@ class RedisSecondaryTier(SecondaryTierManager):
         call.add_done_callback(self._lookup_calls.discard)
 
     async def _contains(self, batch: list[tuple[OffloadKey, _Lookup]]) -> None:
-        try:
-            found = await self._tier.contains([key for key, _ in batch])
-        except Exception as exc:  # RedisTier answers failures as misses; this is a bug
-            logger.exception("Redis tier lookup failed unexpectedly")
-            self._tier_bug(exc)
-            found = [False] * len(batch)
-        self._latest = self._tier.statistics()
+        keys = [key for key, _ in batch]
+        found = await self._guarded("lookup", self._tier.contains(keys), [False] * len(batch))
         self._answers.put((batch, found))
 
     def _take_answers(self) -> None:
@@ -347,34 +319,37 @@ class RedisSecondaryTier(SecondaryTierManager):
 
     # -- jobs -------------------------------------------------------------------
 
-    def _row(self, chunk_id: Any) -> memoryview:
-        start = int(chunk_id) * self._row_bytes
-        return self._rows[start : start + self._row_bytes]
+    def _start(
+        self,
+        in_flight: dict[int, list[OffloadKey]],
+        job: TransferJob,
+        run: Callable[[int, list[tuple[OffloadKey, memoryview]]], Awaitable[None]],
+    ) -> None:
+        """Hand ``job`` to the loop: ``run`` gets each key with its chunk's row."""
+        row = self._row_bytes
+        items = [
+            (key, self._rows[int(chunk) * row : (int(chunk) + 1) * row])
+            for key, chunk in zip(job.keys, job.chunk_ids, strict=True)
+        ]
+        in_flight[job.job_id] = [key for key, _ in items]
+        self._jobs[job.job_id] = self._portal.start_task_soon(run, job.job_id, items)
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         job_id = job_metadata.job_id
         keys = list(job_metadata.keys)
         self._counts["store_jobs"] += 1
-        if self._state is not ResourceState.OPEN or len(self._store_jobs) >= self._max_store_jobs:
-            reason = DROPPED_QUEUE_FULL if self._state is ResourceState.OPEN else DROPPED_CLOSED
+        if not self._life.is_open or len(self._store_jobs) >= self._max_store_jobs:
+            reason = DROPPED_QUEUE_FULL if self._life.is_open else DROPPED_CLOSED
             self._counts["store_jobs_dropped"] += 1
             self._counts["chunks_dropped"] += len(keys)
             self._dropped[reason] = self._dropped.get(reason, 0) + len(keys)
             self._finished.put(JobResult(job_id=job_id, success=False))
             return
-        items = [(k, self._row(c)) for k, c in zip(keys, job_metadata.chunk_ids, strict=True)]
-        self._store_jobs[job_id] = keys
-        self._jobs[job_id] = self._portal.start_task_soon(self._store, job_id, items)
+        self._start(self._store_jobs, job_metadata, self._store)
 
     async def _store(self, job_id: int, items: list[tuple[OffloadKey, memoryview]]) -> None:
         started = time.monotonic()
-        try:
-            written = await self._tier.write(items)
-        except Exception as exc:  # RedisTier counts failures itself; this is a bug
-            logger.exception("Redis tier write failed unexpectedly")
-            self._tier_bug(exc)
-            written = 0
-        self._latest = self._tier.statistics()
+        written = await self._guarded("write", self._tier.write(items), 0)
         self._finished.put(
             JobResult(
                 job_id=job_id,
@@ -388,23 +363,15 @@ class RedisSecondaryTier(SecondaryTierManager):
         job_id = job_metadata.job_id
         keys = list(job_metadata.keys)
         self._counts["load_jobs"] += 1
-        if self._state is not ResourceState.OPEN:
+        if not self._life.is_open:
             self._load_jobs[job_id] = keys
             self._finished.put(JobResult(job_id=job_id, success=False))
             return
-        items = [(k, self._row(c)) for k, c in zip(keys, job_metadata.chunk_ids, strict=True)]
-        self._load_jobs[job_id] = keys
-        self._jobs[job_id] = self._portal.start_task_soon(self._load, job_id, items)
+        self._start(self._load_jobs, job_metadata, self._load)
 
     async def _load(self, job_id: int, items: list[tuple[OffloadKey, memoryview]]) -> None:
         started = time.monotonic()
-        try:
-            filled = await self._tier.read(items)
-        except Exception as exc:  # RedisTier answers failures as misses; this is a bug
-            logger.exception("Redis tier read failed unexpectedly")
-            self._tier_bug(exc)
-            filled = [False] * len(items)
-        self._latest = self._tier.statistics()
+        filled = await self._guarded("read", self._tier.read(items), [False] * len(items))
         loaded = [key for (key, _), ok in zip(items, filled, strict=True) if ok]
         complete = len(loaded) == len(items)
         self._finished.put(
@@ -417,10 +384,19 @@ class RedisSecondaryTier(SecondaryTierManager):
             )
         )
 
-    def _tier_bug(self, exc: Exception) -> None:
-        # The loop thread's alone to change; the scheduler thread only reads it.
-        self._unexpected += 1
-        self._last_unexpected = describe(exc)
+    async def _guarded(self, what: str, call: Awaitable[_T], failed: _T) -> _T:
+        """``await call``, or ``failed`` if it raised: `RedisTier` counts its failures and
+        answers them as values, so an exception is a bug (logged, counted)."""
+        try:
+            return await call
+        except Exception as exc:
+            logger.exception("Redis tier %s failed unexpectedly", what)
+            # The loop thread's alone to change; the scheduler thread only reads it.
+            self._unexpected += 1
+            self._last_unexpected = describe(exc)
+            return failed
+        finally:
+            self._latest = self._tier.statistics()
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         self._take_answers()
@@ -486,7 +462,7 @@ class RedisSecondaryTier(SecondaryTierManager):
 
     def statistics(self) -> RedisSecondaryTierStatistics:
         return RedisSecondaryTierStatistics(
-            state=self._state.value,
+            state=self._life.state.value,
             redis=self._latest,
             lookups_in_flight=len(self._queued) + self._asked,
             jobs_in_flight=len(self._jobs),
@@ -570,7 +546,7 @@ class RedisSecondaryTier(SecondaryTierManager):
     def check_entry(cls, tier_type: str, entry: Mapping[str, Any]) -> None:
         """Refuse a bad ``secondary_tiers`` entry before anything is built (one `ConfigError`
         naming the key); vLLM's own keys of an entry are not the tier's to check."""
-        _Options(tier_type, {k: v for k, v in entry.items() if k not in _VLLM_ENTRY_KEYS})
+        redis_options(tier_type, {k: v for k, v in entry.items() if k not in VLLM_ENTRY_KEYS})
 
     @classmethod
     def config_info_keys(cls, tier_config: dict[str, Any]) -> tuple[str, ...]:
@@ -589,16 +565,15 @@ class RedisSecondaryTier(SecondaryTierManager):
 
     def shutdown(self) -> None:
         """Let every job and lookup end, close the tier, stop its thread. Idempotent."""
-        if self._state is not ResourceState.OPEN:
+        if not self._life.begin_close():
             return
-        self._state = ResourceState.CLOSING
         try:
             concurrent.futures.wait([*self._jobs.values(), *self._lookup_calls])
             self._portal.call(self._close_tier)
         finally:
             self._stack.close()  # stops the loop and joins its thread
             self._rows.release()
-            self._state = ResourceState.CLOSED
+            self._life.end_close()
         self._take_answers()
 
     async def _close_tier(self) -> None:
@@ -608,167 +583,7 @@ class RedisSecondaryTier(SecondaryTierManager):
     def __repr__(self) -> str:
         s = self._latest
         return (
-            f"<RedisSecondaryTier [{self._state.value}, redis {s.state}; {self.url}; "
+            f"<RedisSecondaryTier [{self._life.state.value}, redis {s.state}; {self.url}; "
             f"{len(self._jobs)} jobs, {len(self._queued) + self._asked} lookups in flight; "
             f"{s.errors_total} failed calls, {s.rejected_total} rejected values]>"
         )
-
-
-def remote_namespace(config: Any, row_bytes: int, namespace: str = "") -> RemoteNamespace:
-    """The namespace of the rows vLLM's scheduler-side CPU tier holds for ``config``.
-
-    ``config`` is vLLM's ``OffloadingConfig``. A row of that tier holds a
-    chunk's bytes of every worker, so the shard is the whole parallel layout
-    (sizes and the host layout), not one rank's place in it.
-    """
-    p = config.parallel
-    shard = (
-        f"all{p.world_size}.tp{p.tp_size}.pp{p.pp_size}.pcp{p.pcp_size}.dcp{p.dcp_size}"
-        f".{config.kv_cache_layout or 'default'}"
-        f"{'.canonical' if config.canonical_layout else ''}"
-        f"{'.replicated' if config.replicated_layout else ''}"
-    )
-    return RemoteNamespace(
-        model=config.model.name,
-        dtype=config.model.dtype,
-        row_bytes=row_bytes,
-        blocks_per_chunk=config.cache.blocks_per_chunk,
-        page_bytes=(config.worker_kv_bytes_per_block,),
-        tokens_per_block=tuple(g.tokens_per_block for g in config.groups),
-        shard=shard,
-        namespace=namespace,
-    )
-
-
-class _Options:
-    """A ``secondary_tiers`` entry, checked: one `ConfigError` naming the key per bad value."""
-
-    _NUMBERS = ("ttl_s", "timeout_s", "connect_timeout_s")
-    _INTEGERS = ("max_batch", "max_concurrency")
-    _KNOWN = (
-        "url",
-        "url_env",
-        "password_file",
-        "namespace",
-        *_NUMBERS,
-        *_INTEGERS,
-        "cluster",
-        "backoff_s",
-        "checksum",
-        "auth_key_file",
-        "locality",
-        "max_lookups_in_flight",
-        "max_store_jobs",
-        "enable_kv_events",
-        "connect_on_start",
-    )
-
-    def __init__(self, tier_type: str, entry: Mapping[str, Any]) -> None:
-        self._where = f"secondary tier {tier_type!r} (RedisSecondaryTier)"
-        unknown = sorted(set(entry) - set(self._KNOWN))
-        if unknown:
-            raise ConfigError(
-                f"{self._where}: unknown key(s) {', '.join(map(repr, unknown))}; "
-                f"it takes {', '.join(self._KNOWN)}"
-            )
-        url, url_env, password_file = (entry.get(k) for k in ("url", "url_env", "password_file"))
-        for key, value in (("url_env", url_env), ("password_file", password_file)):
-            if value is not None and not isinstance(value, str):
-                self._bad(key, value, "a string")
-        #: Whether the entry itself holds a password: vLLM logs the entry at startup.
-        self.password_in_entry = False
-        if url_env is None:
-            if not isinstance(url, str) or not url.startswith(("redis://", "rediss://")):
-                shown = "no url" if url is None else f"{type(url).__name__} {_shown(url)}"
-                if isinstance(url, str):  # never a password
-                    shown = repr(redact_url(url))
-                raise ConfigError(
-                    f"{self._where}: 'url' must be a Redis URL, redis://[user@]host"
-                    f"[:port][/db] or rediss://... for TLS (with 'password_file' for the "
-                    f"password), or 'url_env' the name of an environment variable holding "
-                    f"it; got {shown}"
-                )
-            self.password_in_entry = ":" in url.partition("://")[2].rpartition("@")[0]
-        try:
-            self.url = resolve_url(url, url_env=url_env, password_file=password_file)
-        except ConfigError as exc:
-            raise ConfigError(f"{self._where}: {exc}") from None
-        if not self.url.startswith(("redis://", "rediss://")):
-            raise ConfigError(
-                f"{self._where}: the environment variable {url_env} must hold a Redis URL, "
-                f"redis://[user[:password]@]host[:port][/db] or rediss://..., got "
-                f"{redact_url(self.url)!r}"
-            )
-        namespace = entry.get("namespace", "")
-        if not isinstance(namespace, str):
-            self._bad("namespace", namespace, "a string (an operator's split of one store)")
-        self.namespace = namespace
-        self.redis: dict[str, Any] = {}
-        for key in self._NUMBERS:
-            value = entry.get(key)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int | float)
-            ):
-                self._bad(key, value, "a number of seconds")
-            if value is not None:
-                self.redis[key] = float(value)
-        for key in self._INTEGERS:
-            if key in entry:
-                self.redis[key] = self._integer(entry, key, 1)
-        if "cluster" in entry:
-            cluster = entry["cluster"]
-            if cluster is not None and not isinstance(cluster, bool):
-                self._bad("cluster", cluster, "true, false or null (detect it)")
-            self.redis["cluster"] = cluster
-        if "backoff_s" in entry:
-            backoff = entry["backoff_s"]
-            if (
-                not isinstance(backoff, list | tuple)
-                or len(backoff) != 2
-                or any(isinstance(v, bool) or not isinstance(v, int | float) for v in backoff)
-                or not 0 < backoff[0] <= backoff[1]
-            ):
-                self._bad("backoff_s", backoff, "[first, longest] seconds, 0 < first <= longest")
-            self.redis["backoff_s"] = (float(backoff[0]), float(backoff[1]))
-        if "checksum" in entry:
-            checksum = entry["checksum"]
-            if not isinstance(checksum, str) or checksum.lower() not in ("xxh3", "ml64"):
-                self._bad("checksum", checksum, "'xxh3' or 'ml64'")
-            self.redis["checksum"] = checksum
-        key_file = entry.get("auth_key_file")
-        if key_file is not None and not isinstance(key_file, str):
-            self._bad("auth_key_file", key_file, "the path of a file holding the key")
-        try:  # else $TIERING_AUTH_KEY, if set: no secret in the entry, which vLLM logs
-            self.redis["auth_key"] = AuthKey.load(key_file)
-        except ConfigError as exc:
-            source = "'auth_key_file'" if key_file is not None else "$TIERING_AUTH_KEY"
-            raise ConfigError(f"{self._where}: {source}: {exc}") from None
-        locality = entry.get("locality") or "REMOTE"
-        if not isinstance(locality, str) or locality.upper() not in ("LOCAL", "REMOTE"):
-            self._bad("locality", locality, "'REMOTE' (shared with other engines) or 'LOCAL'")
-        self.locality = TierLocality(locality.upper())
-        self.redis["locality"] = self.locality
-        self.max_lookups_in_flight = self._integer(entry, "max_lookups_in_flight", 1, 4096)
-        self.max_store_jobs = self._integer(entry, "max_store_jobs", 1, 64)
-        self.enable_kv_events = self._flag(entry, "enable_kv_events")
-        self.connect_on_start = self._flag(entry, "connect_on_start")
-
-    def _bad(self, key: str, value: object, right: str) -> None:
-        raise ConfigError(f"{self._where}: {key!r} must be {right}, got {_shown(value)}")
-
-    def _integer(self, entry: Mapping[str, Any], key: str, least: int, default: int = 0) -> int:
-        value = entry.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            self._bad(key, value, f"an integer of at least {least}")
-        return int(value)
-
-    def _flag(self, entry: Mapping[str, Any], key: str) -> bool:
-        value = entry.get(key, False)
-        if not isinstance(value, bool):
-            self._bad(key, value, "true or false")
-        return bool(value)
-
-
-def _shown(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."

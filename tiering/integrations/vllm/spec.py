@@ -34,7 +34,6 @@ one `ConfigError` naming the key):
 from __future__ import annotations
 
 import contextlib
-import difflib
 import logging
 import os
 from collections.abc import Mapping
@@ -55,11 +54,14 @@ from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
+from tiering._checks import is_int
+from tiering._decode import closest_key, decode
 from tiering.config import DEFAULT_POLICY
 from tiering.cpu.common import CPUOffloadingInfo as TieringCPUInfo
 from tiering.cpu.manager import ManagerStatistics
 from tiering.errors import ConfigError
-from tiering.integrations.vllm.cascade import CascadeMetrics
+from tiering.integrations.vllm.extra import metrics_extra
+from tiering.integrations.vllm.link import CascadeMetrics
 from tiering.integrations.vllm.manager import TieringMetrics, TieringOffloadingManager
 from tiering.integrations.vllm.redis_tier import RedisSecondaryTier
 from tiering.integrations.vllm.worker import TieringOffloadingWorker
@@ -118,8 +120,7 @@ def _secondary_entry(extra: Mapping[str, Any], world_size: int) -> dict[str, Any
     if not tiers:
         return None
     where = _where("secondary_tiers")
-    if not isinstance(tiers, list) or not all(isinstance(t, Mapping) for t in tiers):
-        raise ConfigError(f"{where} must be a list of tier entries (objects), got {tiers!r}")
+    tiers = decode(list[dict[str, Any]], tiers, where=where)
     if len(tiers) != 1:
         raise ConfigError(
             f"{where} lists {len(tiers)} tiers; TieringSpec takes one below its CPU tier"
@@ -171,19 +172,19 @@ def _cpu_bytes(extra: Mapping[str, Any]) -> int:
             number = value
     if isinstance(number, float) and number.is_integer():
         number = int(number)
-    if isinstance(number, bool) or not isinstance(number, int) or number < 1:
+    if not is_int(number) or number < 1:
         raise ConfigError(
             f"{_where('cpu_bytes_to_use')} must be a positive number of bytes, got {value!r}"
         )
-    return number
+    return int(number)
 
 
 def _choice(extra: Mapping[str, Any], key: str, default: str, choices: tuple[str, ...]) -> str:
     value = extra.get(key, default)
     if isinstance(value, str) and value.lower() in choices:
         return value.lower()
-    close = difflib.get_close_matches(str(value).lower(), choices, n=1)
-    hint = f"did you mean {close[0]!r}? " if close else ""
+    close = closest_key(str(value), choices, cutoff=0.6)
+    hint = f"did you mean {close!r}? " if close else ""
     raise ConfigError(f"{_where(key)} is {value!r}; {hint}choose one of {', '.join(choices)}")
 
 
@@ -359,18 +360,8 @@ class TieringSpec(OffloadingSpec):
 
     def _metrics_port(self) -> tuple[str, int] | None:
         """``metrics_port`` (and ``metrics_host``, loopback by default), checked."""
-        port = self.extra_config.get("metrics_port")
-        if port is None:
-            return None
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-            raise ConfigError(
-                f"{_where('metrics_port')} must be a port from 0 to 65535 (0: any free one), "
-                f"got {port!r}"
-            )
-        host = self.extra_config.get("metrics_host", "127.0.0.1")
-        if not isinstance(host, str) or not host:
-            raise ConfigError(f"{_where('metrics_host')} must be a host address, got {host!r}")
-        return host, port
+        keys = metrics_extra(self.extra_config)
+        return None if keys.metrics_port is None else (keys.metrics_host, keys.metrics_port)
 
     def _serve_metrics(self, manager: TieringOffloadingManager, host: str, port: int) -> None:
         """tiering's own occupancy gauges (its dashboards' names) on ``host:port``."""
