@@ -79,7 +79,7 @@ from numpy.typing import NDArray
 from tiering._types import OffloadKey
 from tiering.cpu.manager import CPUOffloadingManager
 from tiering.policies import CachePolicy
-from tiering.simulate import capacity_chunks, requests_to_keys, simulate_keys
+from tiering.sim import capacity_chunks, requests_to_keys, simulate_keys
 from tiering.workload import BLOCK_TOKENS, Request, read_trace
 
 DEFAULT_TRACE = (
@@ -503,7 +503,7 @@ def replay(
     request_keys: Sequence[Sequence[OffloadKey]], policy: CachePolicy, num_chunks: int
 ) -> tuple[int, int]:
     """Hit blocks and blocks of the requests through a manager of ``num_chunks`` chunks
-    under ``policy``, each request as `tiering.simulate.simulate_keys` handles it."""
+    under ``policy``, each request as `tiering.sim.simulate_keys` handles it."""
     manager = CPUOffloadingManager(num_chunks, policy)
     hit_blocks = blocks = 0
     for keys in request_keys:

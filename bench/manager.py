@@ -36,7 +36,7 @@ import msgspec
 from tiering._types import OffloadKey
 from tiering.config import DEFAULT_POLICY
 from tiering.policies import POLICY_NAMES
-from tiering.simulate import requests_to_keys, simulate_keys
+from tiering.sim import requests_to_keys, simulate_keys
 from tiering.workload import Request, chat_workload, read_trace
 
 DEFAULT_TRACE = (

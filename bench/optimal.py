@@ -1,6 +1,6 @@
 """The offline optimum (Belady's MIN) as a reference: how far each online policy is from it.
 
-`tiering.simulate.simulate_optimal` replays a workload evicting, at every store,
+`tiering.sim.simulate_optimal` replays a workload evicting, at every store,
 the evictable chunk whose next use is furthest in the future, under the same
 pinning as `tiering simulate` (a request's hits stay pinned while its missing
 chunks are stored; the keys it offers are never its own victims; a store that
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from tiering._types import OffloadKey
 from tiering.policies import POLICY_NAMES
-from tiering.simulate import requests_to_keys, simulate_keys, simulate_optimal
+from tiering.sim import requests_to_keys, simulate_keys, simulate_optimal
 from tiering.workload import Request, load_workload, read_trace
 
 DEFAULT_TRACE = (

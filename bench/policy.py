@@ -2,7 +2,7 @@
 
 The figures behind the choice of `tiering.config.DEFAULT_POLICY` (README, "Cache
 policies"): every policy of `tiering.policies.POLICY_NAMES` and the offline
-optimum (`tiering.simulate.OPTIMAL`) on the Mooncake conversation trace at 0.5,
+optimum (`tiering.sim.OPTIMAL`) on the Mooncake conversation trace at 0.5,
 1, 3, 10 and 20 million tokens, on the built-in ``chat`` workload (multi-turn
 chat over shared system prompts) and on the ``documents`` workload (short
 questions over long shared documents), each at capacities from a small part of
@@ -49,7 +49,7 @@ import msgspec
 from tiering._types import OffloadKey
 from tiering.config import DEFAULT_POLICY
 from tiering.policies import POLICY_NAMES
-from tiering.simulate import OPTIMAL, SimulationResult, requests_to_keys, simulate_keys
+from tiering.sim import OPTIMAL, SimulationResult, requests_to_keys, simulate_keys
 from tiering.workload import load_workload, read_trace
 
 DEFAULT_TRACE = (
@@ -237,7 +237,7 @@ def text_block(name: str, rows: dict[int, dict[str, SimulationResult]]) -> list[
 
 
 def plot(name: str, rows: dict[int, dict[str, SimulationResult]], folder: Path) -> Path:
-    from tiering.simulate import plot_hit_rates  # matplotlib: only when asked for
+    from tiering.sim import plot_hit_rates  # matplotlib: only when asked for
 
     out = folder / ("policies.png" if name == TRACE else f"policies-{name}.png")
     source = "conversation trace" if name == TRACE else f"{name} workload"
@@ -262,7 +262,7 @@ def main() -> int:
     if args.requests < 1:
         parser.error(f"--requests must be at least 1, got {args.requests}")
     if args.plot is not None:  # fail now, not after the run
-        from tiering.simulate import check_plotting
+        from tiering.sim import check_plotting
 
         args.plot.mkdir(parents=True, exist_ok=True)
         check_plotting(args.plot / "policies.png")

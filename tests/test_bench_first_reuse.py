@@ -17,7 +17,7 @@ from hypothesis import given, settings
 
 from tiering._types import OffloadKey, make_offload_key
 from tiering.policies import LRUPolicy
-from tiering.simulate import requests_to_keys, simulate_keys
+from tiering.sim import requests_to_keys, simulate_keys
 from tiering.workload import chat_workload, write_trace
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "first_reuse.py"

@@ -10,7 +10,7 @@ from types import ModuleType
 import pytest
 
 from tiering.policies import POLICY_NAMES
-from tiering.simulate import OPTIMAL
+from tiering.sim import OPTIMAL
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "policy.py"
 

@@ -28,6 +28,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "tiering.metrics": frozenset({"prometheus_client"}),
     "tiering.workload": frozenset(),
     "tiering.simulate": frozenset(),
+    "tiering.sim": frozenset(),
     # The vLLM adapters' package: vLLM is imported only when vLLM asks it for a class.
     "tiering.integrations.vllm": frozenset(),
     "tiering.integrations.vllm.config": frozenset(),

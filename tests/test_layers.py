@@ -21,15 +21,19 @@ LAYERS: dict[str, float] = {
     "_types": 0,
     "_state": 0,
     "_checks": 0,
+    "_exports": 0,  # a module's __getattr__: lazy names, deprecated names
     "_closing": 3,  # the async wait of the one lifecycle
     "config": 1,
+    "_decode": 1,  # external input decoded by msgspec, one ConfigError line
     "specs": 1,
     "cpu.common": 1,
     "integrations": 1,
     "integrations.vllm": 6.5,  # the vLLM adapters (6′): vLLM's classes over layers 0-4′
     "integrations.vllm.config": 1,  # the seed's config translation: duck-typed, no vLLM
+    "integrations.vllm.duck": 1,  # reading vLLM's objects by attribute; vLLM's config converted
     "policies": 2,
     "cpu.manager": 2,
+    "cpu.flows": 2,  # the write-through and promotion core: pure, as the manager
     "transfer": 2.5,
     "events": 3,
     "scheduler": 4,  # the anyio shell (_scheduler) and what callers hold (_jobs)
@@ -38,12 +42,16 @@ LAYERS: dict[str, float] = {
     "secondary.codec": 1,  # pure: the value format
     "secondary.checksum": 1,
     "secondary.auth": 1,  # pure: the shared key of keyed values
+    "secondary.refusals": 1,  # pure: why a chunk was not written, what a fault means
     "secondary.redis": 6,  # redis-py, imported lazily
     "metrics": 5,
     "engine": 6,
+    "assembly": 6,  # what the engine builds and reports, apart from its facade
     "workload": 7,
-    "simulate": 7,
+    "simulate": 7,  # the old path of sim: a re-export
+    "sim": 7,  # the simulation: one tier, a disk below it, the optimum, plots
     "replay": 7,
+    "replay_result": 7,  # what a replay reports, and the counts it is made of
     "cli": 7,
     "__main__": 7,
     "": 8,  # tiering/__init__.py re-exports the public surface

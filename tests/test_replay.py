@@ -12,7 +12,7 @@ from tiering.cli import main
 from tiering.errors import CapacityError
 from tiering.policies import DEFAULT_POLICY, POLICY_NAMES
 from tiering.replay import ReplayOptions, replay
-from tiering.simulate import simulate
+from tiering.sim import simulate
 from tiering.transfer.mock import MockJob
 from tiering.workload import chat_workload, read_trace, write_trace
 

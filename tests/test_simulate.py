@@ -14,7 +14,7 @@ import pytest
 from tiering._types import OffloadKey, make_offload_key
 from tiering.cli import main
 from tiering.policies import POLICY_NAMES
-from tiering.simulate import OPTIMAL, expand_policies, simulate, simulate_keys, simulate_optimal
+from tiering.sim import OPTIMAL, expand_policies, simulate, simulate_keys, simulate_optimal
 from tiering.workload import Request, chat_workload, documents_workload, read_trace, write_trace
 
 TRACE = (

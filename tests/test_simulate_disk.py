@@ -14,7 +14,7 @@ from tiering._types import OffloadKey, make_offload_key
 from tiering.cli import main
 from tiering.errors import CapacityError, ConfigError
 from tiering.policies import POLICY_NAMES
-from tiering.simulate import OPTIMAL, requests_to_keys, simulate, simulate_keys
+from tiering.sim import OPTIMAL, requests_to_keys, simulate, simulate_keys
 from tiering.workload import Request, chat_workload, documents_workload
 
 BLOCK = 512

@@ -8,9 +8,9 @@ of their names is first used.
 
 from __future__ import annotations
 
-import importlib as _importlib
 import typing as _typing
 
+from tiering._exports import load as _load
 from tiering._state import ResourceState
 from tiering._types import (
     Medium,
@@ -19,6 +19,7 @@ from tiering._types import (
     get_offload_group_idx,
     make_offload_key,
 )
+from tiering._types import TransferDirection as TransferDirection  # JobKind's one name
 from tiering.config import (
     OffloadingCacheConfig,
     OffloadingConfig,
@@ -58,7 +59,7 @@ from tiering.specs import BlockIDsLoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
 
 if _typing.TYPE_CHECKING:
     from tiering.engine import EngineStatistics, PrefixLookup, TieringEngine
-    from tiering.scheduler import JobHandle, JobKind, JobOutcome, JobResult, SchedulerLimits
+    from tiering.scheduler import JobHandle, JobOutcome, JobResult, SchedulerLimits
     from tiering.transfer import (
         HostMemoryPool,
         KVCacheTensor,
@@ -76,7 +77,6 @@ _LAZY = {
     "EngineStatistics": "tiering.engine",
     "PrefixLookup": "tiering.engine",
     "JobHandle": "tiering.scheduler",
-    "JobKind": "tiering.scheduler",
     "JobOutcome": "tiering.scheduler",
     "JobResult": "tiering.scheduler",
     "SchedulerLimits": "tiering.scheduler",
@@ -89,13 +89,12 @@ _LAZY = {
 }
 
 
+#: Names kept from earlier shapes: each warns, naming its replacement.
+_DEPRECATED = {"JobKind": ("tiering._types", "TransferDirection", "tiering.TransferDirection")}
+
+
 def __getattr__(name: str) -> _typing.Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'tiering' has no attribute {name!r}")
-    value = getattr(_importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    return _load(__name__, globals(), name, _LAZY, deprecated=_DEPRECATED)
 
 
 __all__ = [
@@ -118,7 +117,6 @@ __all__ = [
     "HostMemoryPool",
     "InvalidKeyError",
     "JobHandle",
-    "JobKind",
     "JobOutcome",
     "JobResult",
     "KVCacheTensor",
@@ -144,6 +142,7 @@ __all__ = [
     "TieringEngine",
     "TieringError",
     "TransferBackend",
+    "TransferDirection",
     "TransferError",
     "TransferResult",
     "UnknownKeyError",

@@ -13,7 +13,7 @@ tensors where there is no GPU). Per request, one chunk per hash id:
 5. flush (wait for the store to have read the blocks), commit the request's
    recency, and free the blocks for the next request.
 
-With ``concurrency=1`` the hit rate equals `tiering.simulate`'s for the same
+With ``concurrency=1`` the hit rate equals `tiering.sim`'s for the same
 trace, capacity and policy.
 """
 
@@ -32,7 +32,9 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from tiering._checks import check_int
 from tiering._types import OffloadKey
+from tiering.cli.progress import ProgressBar
 from tiering.config import (
     DEFAULT_POLICY,
     OffloadingCacheConfig,
@@ -40,14 +42,15 @@ from tiering.config import (
     OffloadingGroupConfig,
     OffloadingModelConfig,
 )
-from tiering.engine import SecondaryTierStatistics, TieringEngine
+from tiering.engine import TieringEngine
 from tiering.errors import CapacityError, ChunkStateError, ConfigError
 from tiering.events import KVEventsConfig
-from tiering.scheduler import JobHandle, JobOutcome, JobResult
+from tiering.replay_result import ReplayResult, Tally, TierReport, format_bytes
+from tiering.scheduler import JobHandle
 from tiering.secondary import RemoteNamespace, SecondaryTier
 from tiering.secondary.auth import AuthKey
 from tiering.secondary.disk import DiskTier, ScanResult
-from tiering.simulate import Progress, ProgressBar, requests_to_keys
+from tiering.sim import Progress, requests_to_keys
 from tiering.specs import GPULoadStoreSpec
 from tiering.transfer import KVCacheTensor, KVLayout, available_host_bytes
 from tiering.workload import Request
@@ -93,9 +96,7 @@ class ReplayOptions(msgspec.Struct, frozen=True, kw_only=True):
         if not (math.isfinite(self.hold) and self.hold >= 0):
             raise ConfigError(f"hold must be a number of seconds >= 0, got {self.hold}")
         for name in ("bytes_per_token", "block_tokens", "concurrency"):
-            value = getattr(self, name)
-            if value < 1:
-                raise ConfigError(f"{name.replace('_', '-')} must be at least 1, got {value}")
+            check_int(name.replace("_", "-"), getattr(self, name), minimum=1)
         if (self.bytes_per_token * self.block_tokens) % 8:
             raise ConfigError(
                 f"bytes-per-token x block-tokens must be a multiple of 8 bytes, got "
@@ -104,9 +105,8 @@ class ReplayOptions(msgspec.Struct, frozen=True, kw_only=True):
         if self.cpu_bytes is None and self.capacity_tokens is None:
             raise ConfigError("give a capacity in tokens or in bytes")
         for name in ("capacity_tokens", "cpu_bytes"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ConfigError(f"{name.replace('_', '-')} must be positive, got {value}")
+            if getattr(self, name) is not None:
+                check_int(name.replace("_", "-"), getattr(self, name), minimum=1)
         if self.replay_endpoint is not None and self.events_endpoint is None:
             raise ConfigError("a replay endpoint needs an events endpoint to replay")
         if (self.disk is None) != (self.disk_bytes is None):
@@ -114,8 +114,8 @@ class ReplayOptions(msgspec.Struct, frozen=True, kw_only=True):
                 "a disk tier needs both its folder and its size: give --disk DIR and "
                 "--disk-bytes N together"
             )
-        if self.disk_bytes is not None and self.disk_bytes < 1:
-            raise ConfigError(f"disk-bytes must be positive, got {self.disk_bytes}")
+        if self.disk_bytes is not None:
+            check_int("disk-bytes", self.disk_bytes, minimum=1)
         if self.remote is not None and self.remote_url_env is not None:
             raise ConfigError(
                 f"give the remote tier's URL once: remote ({self.redacted_remote!r}) or "
@@ -172,74 +172,6 @@ class ReplayOptions(msgspec.Struct, frozen=True, kw_only=True):
         return KVEventsConfig(endpoint=self.events_endpoint, replay_endpoint=self.replay_endpoint)
 
 
-class TierReport(msgspec.Struct, frozen=True, kw_only=True):
-    """What one tier below the CPU tier did in a replay (``label``: ``disk``, ``remote``)."""
-
-    label: str
-    hit_blocks: int  # hits read from this tier (part of the replay's hit_blocks)
-    read_bytes: int
-    write_bytes: int
-    errors: int  # calls that failed (unreachable, timeout, I/O error): each once
-    writes_dropped: int  # chunks whose write-through was not written, for any reason
-    writes_dropped_by_reason: dict[str, int]  # adding up: behind, down, refused ENOSPC...
-    rejected: int  # values read that failed a check: never loaded, counted as misses
-    rejected_by_reason: dict[str, int]
-    refused_by_reason: dict[str, int]  # what the store refused, by code: OOM, ENOSPC...
-    lost: int = 0  # values the tier had and found gone (deleted behind its back)
-    busy: int = 0  # calls answered at once, every worker thread of the tier busy: overload
-    chunks: int | None = None  # what it holds at the end, where it knows
-    used_bytes: int | None = None
-    capacity_bytes: int | None = None
-    found_at_open: int | None = None  # the disk tier: values a previous run left
-    dropped_at_open: dict[str, int] = msgspec.field(default_factory=dict)
-    #: What it holds at most now: capacity_bytes (as configured), or less where its file
-    #: system holds less (the disk tier on a small file system).
-    effective_capacity_bytes: int | None = None
-
-
-class ReplayResult(msgspec.Struct, frozen=True, kw_only=True):
-    requests: int
-    blocks: int
-    hit_blocks: int
-    hit_rate: float
-    stored_chunks: int
-    loaded_chunks: int
-    evictions: int
-    store_bytes: int
-    load_bytes: int
-    store_gbps: float
-    load_gbps: float
-    failed_jobs: int
-    no_room_stores: int
-    corrupt_chunks: int
-    job_latency_p50_ms: float
-    job_latency_p99_ms: float
-    seconds: float
-    events_published: int  # KV cache events built (0 with events off)
-    events_dropped: int  # events some sink or the manager's queue lost
-    remote_hit_blocks: int  # hits read from the remote tier (part of hit_blocks)
-    remote_read_bytes: int
-    remote_write_bytes: int
-    remote_errors: int  # remote calls that failed (unreachable, timeout, protocol): each once
-    remote_writes_dropped: int  # chunks whose write-through was not written, for any reason
-    #: Those by reason, adding up: ``behind`` (the tier's queue was full: it fell
-    #: behind), ``down``, ``backing off``, ``timeout``, ``failed``, ``refused OOM``...
-    remote_writes_dropped_by_reason: dict[str, int]
-    remote_rejected: int  # values read that failed a check: never loaded, counted as misses
-    remote_rejected_by_reason: dict[str, int]  # by verdict: bad_checksum, foreign_namespace...
-    #: Commands the store refused (reads and lookups too), by its code: OOM, NOPERM, MOVED...
-    remote_refused_by_reason: dict[str, int]
-    #: Hit blocks by the tier they were loaded from: ``cpu`` (held by the CPU tier),
-    #: then one key per tier below it (``disk``, ``remote``); they add up to hit_blocks.
-    hit_blocks_by_tier: dict[str, int]
-    tiers: list[TierReport]  # every tier below the CPU tier, in order
-    capacity_chunks: int
-    cpu_bytes: int
-    policy: str
-    backend: str
-    concurrency: int
-
-
 def replay_config(options: ReplayOptions) -> OffloadingConfig:
     """The engine config of an emulated model: one group, one KV tensor, one block a chunk."""
     return OffloadingConfig(
@@ -294,40 +226,6 @@ class _Pages:
         return int(np.count_nonzero((got != seeds + self.base).any(axis=1)))
 
 
-class _Tally:
-    def __init__(self) -> None:
-        self.done = self.blocks = self.hit_blocks = 0
-        self.failed = self.no_room = self.corrupt = 0
-        self.hit_blocks_by_tier: dict[str, int] = {}  # of the tiers below the CPU tier
-        self.stored_chunks = self.loaded_chunks = 0
-        self.store_bytes = self.load_bytes = 0
-        self.store_seconds = self.load_seconds = 0.0
-        self.latencies: list[float] = []
-
-    def add(self, result: JobResult, *, load: bool) -> None:
-        self.latencies.append(result.latency)
-        if result.outcome is JobOutcome.NO_ROOM:
-            self.no_room += 1
-        elif not result.success:
-            self.failed += 1
-        elif load:
-            self.loaded_chunks += result.chunks
-            self.load_bytes += result.nbytes
-            self.load_seconds += result.seconds
-        else:
-            self.stored_chunks += result.chunks
-            self.store_bytes += result.nbytes
-            self.store_seconds += result.seconds
-
-
-def _gbps(nbytes: int, seconds: float) -> float:
-    return nbytes / seconds / 1e9 if seconds > 0 else 0.0
-
-
-def _percentile_ms(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) * 1e3 if values else 0.0
-
-
 async def replay(
     requests: Sequence[Request],
     options: ReplayOptions,
@@ -373,7 +271,7 @@ async def replay(
     )
     pages = _Pages(kv)
     request_seeds = _Pages.seeds(request_keys)
-    tally = _Tally()
+    tally = Tally()
     order = iter(range(len(request_keys)))
 
     async def serve(worker: int) -> None:
@@ -447,99 +345,17 @@ async def replay(
         if options.hold:
             await anyio.sleep(options.hold)
     final = engine.statistics()  # after close: the last batch and writes are counted
-    events = final.events
-    reports = [_tier_report(t, tally.hit_blocks_by_tier, opened) for t in final.tiers]
-    remote = next((r for r in reports if r.label == "remote"), None)
-    events_dropped = stats.events_dropped_total
-    if events is not None:
-        events_dropped += sum(sink.dropped_total for sink in events.sinks)
-    below = sum(r.hit_blocks for r in reports)
-    by_tier = {"cpu": tally.hit_blocks - below, **{r.label: r.hit_blocks for r in reports}}
-    return ReplayResult(
+    return tally.result(
+        options,
+        stats,
+        final,
+        opened,
         requests=len(request_keys),
-        blocks=tally.blocks,
-        hit_blocks=tally.hit_blocks,
-        hit_rate=tally.hit_blocks / tally.blocks if tally.blocks else 0.0,
-        stored_chunks=tally.stored_chunks,
-        loaded_chunks=tally.loaded_chunks,
-        evictions=stats.evictions_total,
-        store_bytes=tally.store_bytes,
-        load_bytes=tally.load_bytes,
-        store_gbps=_gbps(tally.store_bytes, tally.store_seconds),
-        load_gbps=_gbps(tally.load_bytes, tally.load_seconds),
-        failed_jobs=tally.failed,
-        no_room_stores=tally.no_room,
-        corrupt_chunks=tally.corrupt,
-        job_latency_p50_ms=_percentile_ms(tally.latencies, 50),
-        job_latency_p99_ms=_percentile_ms(tally.latencies, 99),
         seconds=seconds,
-        events_published=events.events_total if events is not None else 0,
-        events_dropped=events_dropped,
-        remote_hit_blocks=remote.hit_blocks if remote else 0,
-        remote_read_bytes=remote.read_bytes if remote else 0,
-        remote_write_bytes=remote.write_bytes if remote else 0,
-        remote_errors=remote.errors if remote else 0,
-        remote_writes_dropped=remote.writes_dropped if remote else 0,
-        remote_writes_dropped_by_reason=remote.writes_dropped_by_reason if remote else {},
-        remote_rejected=remote.rejected if remote else 0,
-        remote_rejected_by_reason=remote.rejected_by_reason if remote else {},
-        remote_refused_by_reason=remote.refused_by_reason if remote else {},
-        hit_blocks_by_tier=by_tier,
-        tiers=reports,
         capacity_chunks=engine.manager.capacity,
-        cpu_bytes=engine.manager.capacity * engine.layout.row_bytes,
-        policy=options.policy,
+        row_bytes=engine.layout.row_bytes,
         backend=engine.backend_name,
-        concurrency=options.concurrency,
     )
-
-
-def _tier_report(
-    stats: SecondaryTierStatistics, hit_blocks: dict[str, int], opened: dict[str, ScanResult]
-) -> TierReport:
-    t = stats.tier
-    dropped = _writes_dropped(stats)
-    scan = opened.get(stats.label)
-    return TierReport(
-        label=stats.label,
-        hit_blocks=hit_blocks.get(stats.label, 0),
-        read_bytes=t.read_bytes_total,
-        write_bytes=t.write_bytes_total,
-        errors=t.errors_total,
-        writes_dropped=sum(dropped.values()),
-        writes_dropped_by_reason=dropped,
-        rejected=t.rejected_total,
-        rejected_by_reason=t.rejected_by_reason,
-        refused_by_reason=t.refused_by_reason,
-        lost=t.lost_total,
-        busy=t.busy_total,
-        chunks=t.chunks,
-        used_bytes=t.used_bytes,
-        capacity_bytes=t.capacity_bytes,
-        found_at_open=len(scan.values) if scan is not None else None,
-        dropped_at_open=dict(scan.dropped) if scan is not None else {},
-        effective_capacity_bytes=t.effective_capacity_bytes,
-    )
-
-
-def _writes_dropped(stats: SecondaryTierStatistics) -> dict[str, int]:
-    """Write-throughs not written, by reason; they add up to every chunk not written."""
-    dropped = {"behind": stats.cascade_dropped} if stats.cascade_dropped else {}
-    dropped.update(stats.tier.write_errors_by_reason)
-    # Handed to the tier but not written without the tier saying why: a write
-    # cancelled at close, or by an error in the write-through task itself.
-    other = stats.cascade_failed - stats.tier.write_errors_total
-    if other > 0:
-        dropped["cancelled"] = dropped.get("cancelled", 0) + other
-    return dropped
-
-
-def format_bytes(nbytes: float) -> str:
-    """A byte count in decimal units, as the command line prints them: ``384.00 MB``."""
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if nbytes >= size:
-            return f"{nbytes / size:,.2f} {unit}"
-    return f"{nbytes:,.0f} B"
 
 
 def _check_kv_fits(options: ReplayOptions, max_blocks: int) -> None:

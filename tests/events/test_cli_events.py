@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tiering import cli
+from tiering.cli import events as cli
 from tiering.cli import main
 
 

@@ -12,7 +12,7 @@ from tiering._types import OffloadKey, make_offload_key
 from tiering.config import DEFAULT_POLICY
 from tiering.errors import ConfigError
 from tiering.policies import POLICY_NAMES, ASLRUPolicy, CachePolicy, LRUPolicy, create_policy
-from tiering.simulate import requests_to_keys, simulate_keys
+from tiering.sim import requests_to_keys, simulate_keys
 from tiering.workload import Request, chat_workload, documents_workload
 
 NONE: frozenset[OffloadKey] = frozenset()

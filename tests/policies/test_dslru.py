@@ -11,7 +11,7 @@ from tiering._types import OffloadKey, make_offload_key
 from tiering.cpu.manager import CPUOffloadingManager
 from tiering.errors import ConfigError
 from tiering.policies import DSLRUPolicy, create_policy
-from tiering.simulate import simulate_keys
+from tiering.sim import simulate_keys
 
 NONE: frozenset[OffloadKey] = frozenset()
 
@@ -217,7 +217,7 @@ def test_results_are_deterministic() -> None:
 
 
 def test_ghosts_remember_a_key_for_their_span_and_hold_at_most_twice_their_limit() -> None:
-    from tiering.policies.dslru import _Ghosts
+    from tiering.policies._segments import Ghosts as _Ghosts
 
     ghosts = _Ghosts(span=100, limit=150)
     count = ghosts.add([k(0)], 0, probation=True)
@@ -267,7 +267,7 @@ def test_history_never_exceeds_its_limit_even_for_one_large_eviction() -> None:
 
 
 def test_a_shadow_refusing_a_store_changes_nothing() -> None:
-    from tiering.policies.dslru import _SegmentedShadow
+    from tiering.policies._shadows import SegmentedShadow as _SegmentedShadow
 
     shadow = _SegmentedShadow(2, admit=8, span=8, window=1, step=1.0)
     shadow.access([k(1)], True)

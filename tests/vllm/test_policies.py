@@ -31,7 +31,7 @@ from tiering.errors import ConfigError
 from tiering.integrations.vllm import vllm_policy_name
 from tiering.integrations.vllm.policies import CACHE_POLICIES, TieringCachePolicy
 from tiering.policies import POLICY_NAMES, create_policy
-from tiering.simulate import requests_to_keys, simulate_keys
+from tiering.sim import requests_to_keys, simulate_keys
 from tiering.workload.trace import read_trace
 
 from .harness import Engine, build_engine, native_extra, write_model

@@ -28,19 +28,15 @@ together hold at most ``2c`` keys, for a capacity of ``c`` chunks.
 
 from __future__ import annotations
 
-import math
-from collections import OrderedDict, deque
-from collections.abc import Callable, Container, Iterable, Sequence
-from itertools import filterfalse, islice
+from collections import OrderedDict
+from collections.abc import Container, Sequence
 
 from tiering._types import OffloadKey
 from tiering.errors import ConfigError
-from tiering.policies.base import CachePolicy, PolicyStatistics, estimate_entry_bytes
+from tiering.policies._segments import plan_victims, remove, statistics_of, take
+from tiering.policies.base import CachePolicy, PolicyStatistics
 
 __all__ = ["ARCPolicy"]
-
-_SINK: deque[object] = deque(maxlen=0)
-_drain: Callable[[Iterable[object]], None] = _SINK.extend  # consume an iterator, looping in C
 
 
 class ARCPolicy(CachePolicy):
@@ -109,18 +105,11 @@ class ARCPolicy(CachePolicy):
         # took) exceeds p, then T2's; a list short of candidates hands over.
         size_t1 = len(t1) - self._admitted
         self._admitted = 0
-        want_t1 = min(n, max(0, math.ceil(size_t1 - self._p)))
-        cand1 = filterfalse(protected.__contains__, t1)
-        from_t1 = list(islice(cand1, want_t1))
-        from_t2 = list(islice(filterfalse(protected.__contains__, t2), n - len(from_t1)))
-        short = n - len(from_t1) - len(from_t2)
-        if short:
-            from_t1.extend(islice(cand1, short))
-            if len(from_t1) + len(from_t2) < n:
-                return None
-        # Bulk moves to the ghost lists, looped in C (this is the hot path).
-        _drain(map(t1.__delitem__, from_t1))
-        _drain(map(t2.__delitem__, from_t2))
+        planned = plan_victims(n, protected, t1, t2, size_t1 - self._p)
+        if planned is None:
+            return None
+        from_t1, from_t2 = planned
+        take(t1, t2, from_t1, from_t2)  # the hot path: looped in C
         self._b1.update(dict.fromkeys(from_t1))
         self._b2.update(dict.fromkeys(from_t2))
         self._trim_ghosts()
@@ -143,9 +132,7 @@ class ARCPolicy(CachePolicy):
             excess -= 1
 
     def remove(self, keys: Sequence[OffloadKey]) -> None:
-        for key in keys:
-            if self._t1.pop(key, None) is None:
-                self._t2.pop(key, None)
+        remove(keys, self._t1, self._t2)
 
     def clear(self) -> None:
         for lst in (self._t1, self._t2, self._b1, self._b2):
@@ -157,15 +144,8 @@ class ARCPolicy(CachePolicy):
         return len(self._t1) + len(self._t2)
 
     def statistics(self) -> PolicyStatistics:
-        history = len(self._b1) + len(self._b2)
-        return PolicyStatistics(
-            name=self.name,
-            tracked=len(self),
-            history=history,
-            history_limit=2 * self._capacity,
-            metadata_bytes=estimate_entry_bytes(len(self), history),
-            detail={"t1": len(self._t1), "t2": len(self._t2), "target_t1": self._p},
-        )
+        detail = {"t1": len(self._t1), "t2": len(self._t2), "target_t1": self._p}
+        return statistics_of(self, len(self._b1) + len(self._b2), 2 * self._capacity, detail)
 
     def __repr__(self) -> str:
         return (

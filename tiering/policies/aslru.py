@@ -1,11 +1,11 @@
 """Adaptive segmented LRU: new chunks on probation, reused ones protected, sizes learned.
 
-Design note. Most chunks a prefix cache stores are never used again: on the
-Mooncake conversation trace three keys in four are seen once, and the partial
-last block of a prompt is reused about one time in a hundred. LRU gives each of
-them as long a stay as a chunk that has been reused five times, so on real
-traffic it keeps what was used last, not what will be used next. This policy
-keeps two LRU segments:
+Design note. Most chunks a prefix cache stores are never used again (on chat
+traffic, most keys are seen once, and a prompt's partial last block is almost
+never reused: README.md, "Cache policies"). LRU gives each of them as long a
+stay as a chunk that has been reused many times, so on real traffic it keeps
+what was used last, not what will be used next. This policy keeps two LRU
+segments:
 
 - *probation* holds chunks stored and not used since by another request;
 - *protected* holds chunks that proved reuse: used again while on probation, or
@@ -27,15 +27,14 @@ probation target one ``step`` towards the segment that had it, as ARC moves
 its ``p``, but counting marginal hits only: a hit far down a ghost list does
 not say that a little more room would help. The target starts at zero, so the
 policy starts as "store on second offer" (a chunk stays only if it is offered
-again while remembered) and grows probation while marginal hits say it pays:
-on the conversation trace it stays near zero at 1 and 3 million tokens, where
-most reuse comes back later than LRU can wait, and settles near half the tier
-at 10 million, where most reuse is within reach. Like ARC's, the adaptation is
-local: it follows the marginal gains from where it is, and where a large
-probation pays only as a whole (reuse that returns after a think time, not at
-once) it takes a while to leave a poor split. Near a workload's whole reuse
-set, where LRU is close to the optimum anyway, a split costs a little: on the
-trace at 20 million tokens it hits 34.3% of blocks where LRU hits 35.1%.
+again while remembered) and grows probation while marginal hits say it pays
+(where most reuse comes back later than LRU can wait, it stays near zero;
+where most reuse is within reach, it grows towards half the tier). Like
+ARC's, the adaptation is local: it follows the marginal gains from where it
+is, and where a large probation pays only as a whole (reuse that returns
+after a think time, not at once) it takes a while to leave a poor split. Near
+a workload's whole reuse set, where LRU is close to the optimum anyway, a
+split costs a little against LRU (the figures: README.md, ``bench/policy.py``).
 
 Prefix order. Keys come head first and are committed tail first (the head ends
 most recent), in both segments, so within a segment a request's tail is evicted
@@ -54,40 +53,16 @@ at most ``(history + 1)`` x capacity ghost keys.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict, deque
-from collections.abc import Callable, Collection, Container, Iterable, Sequence
-from itertools import filterfalse, islice
+from collections import OrderedDict
+from collections.abc import Container, Sequence
 
+from tiering._checks import is_int
 from tiering._types import OffloadKey
 from tiering.errors import ConfigError
-from tiering.policies.base import CachePolicy, PolicyStatistics, estimate_entry_bytes
+from tiering.policies._segments import marginal_hits, plan_victims, remove, statistics_of, take
+from tiering.policies.base import CachePolicy, PolicyStatistics
 
 __all__ = ["ASLRUPolicy"]
-
-_SINK: deque[object] = deque(maxlen=0)
-_drain: Callable[[Iterable[object]], None] = _SINK.extend  # consume an iterator in C
-
-
-def plan_victims(
-    n: int,
-    protected: Container[OffloadKey],
-    probation: Collection[OffloadKey],
-    kept: Collection[OffloadKey],
-    target: float,
-) -> tuple[list[OffloadKey], list[OffloadKey]] | None:
-    """The segmented rule's ``n`` victims, none of ``protected``: probation's coldest while
-    it is over ``target``, then protected's, then probation's again; None if too few
-    (nothing is changed: the caller removes them). `DSLRUPolicy` plans with it too."""
-    want = min(n, max(0, math.ceil(len(probation) - target)))
-    spare = filterfalse(protected.__contains__, probation)
-    from_probation = list(islice(spare, want))
-    from_kept = list(islice(filterfalse(protected.__contains__, kept), n - len(from_probation)))
-    short = n - len(from_probation) - len(from_kept)
-    if short:
-        from_probation.extend(islice(spare, short))
-        if len(from_probation) + len(from_kept) < n:
-            return None
-    return from_probation, from_kept
 
 
 class ASLRUPolicy(CachePolicy):
@@ -113,8 +88,9 @@ class ASLRUPolicy(CachePolicy):
         step: float = 1 / 1024,
         initial_probation: float = 0.0,
     ) -> None:
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+        if not is_int(capacity) or capacity < 1:
             raise ConfigError(f"ASLRUPolicy capacity must be at least 1 chunk, got {capacity!r}")
+        capacity = int(capacity)  # numpy's integers too
         for name, value, low in (
             ("history", history, 0.0),
             ("window", window, 0.0),
@@ -158,30 +134,14 @@ class ASLRUPolicy(CachePolicy):
         if not (ghost1 and ghost1.keys() & keys) and not (ghost2 and ghost2.keys() & keys):
             probation.update(dict.fromkeys(reversed(keys), True))  # the common case, in C
             return
-        # Marginal hits: the leading run of keys that a probation (or protected)
-        # segment larger by the window would have kept; past the first key it
-        # would not have, the request would have missed anyway.
-        window, evicted1, evicted2 = (
-            self._window,
-            self._probation_evictions,
-            self._protected_evictions,
+
+        def left(key: OffloadKey) -> int:  # as marginal_hits counts it (signed)
+            count = ghost1.get(key)
+            return -ghost2.get(key, 0) if count is None else count
+
+        grow, shrink = marginal_hits(
+            keys, left, self._probation_evictions, self._protected_evictions, self._window
         )
-        grow = shrink = 0
-        run1 = run2 = True
-        for key in keys:
-            left = ghost1.get(key)
-            if left is not None and evicted1 - left <= window:
-                grow += run1
-                run2 = False
-            else:
-                left = ghost2.get(key)
-                if left is not None and evicted2 - left <= window:
-                    shrink += run2
-                    run1 = False
-                else:
-                    break
-            if not (run1 or run2):
-                break
         admitted = 0
         for key in reversed(keys):
             if ghost1.pop(key, None) is not None or ghost2.pop(key, None) is not None:
@@ -218,40 +178,38 @@ class ASLRUPolicy(CachePolicy):
         if n <= 0:
             return []
         probation, kept = self._probation, self._protected
-        planned = plan_victims(n, protected, probation, kept, self._target)
+        planned = plan_victims(n, protected, probation, kept, len(probation) - self._target)
         if planned is None:
             return None
         from_probation, from_kept = planned
-        _drain(map(probation.__delitem__, from_probation))
-        _drain(map(kept.__delitem__, from_kept))
+        take(probation, kept, from_probation, from_kept)
         if from_probation:
-            base = self._probation_evictions
-            self._probation_evictions = base + len(from_probation)
-            self._probation_ghost.update(
-                zip(from_probation, range(base + 1, self._probation_evictions + 1), strict=True)
+            self._probation_evictions = self._remember(
+                self._probation_ghost, from_probation, self._probation_evictions, self._history
             )
-            self._trim(self._probation_ghost, self._history)
         if from_kept:
-            base = self._protected_evictions
-            self._protected_evictions = base + len(from_kept)
-            self._protected_ghost.update(
-                zip(from_kept, range(base + 1, self._protected_evictions + 1), strict=True)
+            self._protected_evictions = self._remember(
+                self._protected_ghost, from_kept, self._protected_evictions, self._capacity
             )
-            self._trim(self._protected_ghost, self._capacity)
         return from_probation + from_kept
 
     @staticmethod
-    def _trim(ghost: OrderedDict[OffloadKey, int], limit: int) -> None:
+    def _remember(
+        ghost: OrderedDict[OffloadKey, int], keys: list[OffloadKey], count: int, limit: int
+    ) -> int:
+        """Remember ``keys``, evicted from their segment after ``count`` others, in its
+        ghost of at most ``limit`` keys (the oldest forgotten); the segment's count after."""
+        total = count + len(keys)
+        ghost.update(zip(keys, range(count + 1, total + 1), strict=True))
         over = len(ghost) - limit
         if over > 0:
             popitem = ghost.popitem
             for _ in range(over):
                 popitem(last=False)
+        return total
 
     def remove(self, keys: Sequence[OffloadKey]) -> None:
-        for key in keys:
-            if self._probation.pop(key, None) is None:
-                self._protected.pop(key, None)
+        remove(keys, self._probation, self._protected)
 
     def clear(self) -> None:
         for segment in (self._probation, self._protected):
@@ -267,21 +225,15 @@ class ASLRUPolicy(CachePolicy):
 
     def statistics(self) -> PolicyStatistics:
         history = len(self._probation_ghost) + len(self._protected_ghost)
-        return PolicyStatistics(
-            name=self.name,
-            tracked=len(self),
-            history=history,
-            history_limit=self._history + self._capacity,
-            metadata_bytes=estimate_entry_bytes(len(self), history),
-            detail={
-                "probation": len(self._probation),
-                "protected": len(self._protected),
-                "target_probation": self._target,
-                "admitted_total": self._admitted,
-                "marginal_probation_hits_total": self._marginal_probation,
-                "marginal_protected_hits_total": self._marginal_protected,
-            },
-        )
+        detail = {
+            "probation": len(self._probation),
+            "protected": len(self._protected),
+            "target_probation": self._target,
+            "admitted_total": self._admitted,
+            "marginal_probation_hits_total": self._marginal_probation,
+            "marginal_protected_hits_total": self._marginal_protected,
+        }
+        return statistics_of(self, history, self._history + self._capacity, detail)
 
     def __repr__(self) -> str:
         return (

@@ -2,20 +2,16 @@
 
 Design note. No one eviction rule wins everywhere. A segmented LRU (probation
 for chunks stored once, protected for chunks reused, a ghost list that admits
-a chunk stored again straight to protected: `ASLRUPolicy`) hits 1.3x-2.1x what
-LRU hits on the Mooncake conversation trace at 0.5-3 million tokens, because
-three keys in four are never used again and LRU gives each of them as long a
-stay as a chunk reused five times. Near a workload's whole reuse set the same
-split costs: every chunk would have stayed long enough under LRU, and the
-split evicts first reuses LRU keeps (the trace at 20 million tokens: 34.3%
-against LRU's 35.1%). How long a chunk stored once should be remembered
-differs too: four tiers' worth of evictions wins on the trace at 0.5-1 million
-tokens (2.1x LRU at 1 million, against 1.9x with ASLRU's two), two wins on the
-synthetic ``chat`` and ``documents``. A constant tuned to one of these loses
-on another, and a workload no one has measured may sit anywhere between. So
-this policy runs one tier with the data of a segmented LRU and lets three
-*experts* vote on how to run it, as set dueling does in hardware caches (DIP,
-DRRIP):
+a chunk stored again straight to protected: `ASLRUPolicy`) hits well above LRU
+on chat traffic, where most keys are never used again and LRU gives each of
+them as long a stay as a chunk reused many times. Near a workload's whole reuse
+set the same split costs: every chunk would have stayed long enough under LRU,
+and the split evicts first reuses LRU keeps. How long a chunk stored once
+should be remembered differs from one workload to the next too, so a constant
+tuned to one loses on another, and a workload no one has measured may sit
+anywhere between. So this policy runs one tier with the data of a segmented
+LRU and lets three *experts* vote on how to run it, as set dueling does in
+hardware caches (DIP, DRRIP):
 
 - *LRU*: evict the least recently used key of both segments (their union is
   one LRU order, merged by the request clock each key keeps);
@@ -36,30 +32,16 @@ expert when its score beats the current one's by ``margin``. It starts under
 LRU: a tier still filling, or one holding the whole reuse set, where the
 experts tie, stays LRU, and a split has to prove itself first, over the long
 run too (scores decayed by ``long_decay``): where the experts only take turns
-ahead, following each lead costs more than it wins (a workload of
-short-think conversations at 100 chunks lost 0.28 points to LRU that way). Every expert
-keeps the segments alike (promotion on reuse, admission from a ghost, ASLRU's
-probation target learnt from marginal ghost hits), so a switch finds them
-ready; the experts differ in eviction and in how far back a ghost admits.
+ahead, following each lead costs more than it wins. Every expert keeps the
+segments alike (promotion on reuse, admission from a ghost, ASLRU's probation
+target learnt from marginal ghost hits), so a switch finds them ready; the
+experts differ in eviction and in how far back a ghost admits.
 
-What it reaches, and why no further. On the conversation trace (hit blocks
-over all blocks; x LRU; share of the gap from LRU to the offline optimum):
-500,000 tokens 7.95% (1.79x, 27%), 1,000,000 10.87% (2.04x, 29%), 3,000,000
-18.23% (1.34x, 21%), 10,000,000 29.87% (1.05x, 17%), 20,000,000 35.13%
-(1.00x: LRU's own, the shadows never let a split take over). ``chat`` and
-``documents`` at bench/policy.py's capacities: 1.02x-1.32x, never below LRU
-(`bench/policy.py`). What it does not do is predict a chunk's *first* reuse,
-and that is most of what is left at 3,000,000 tokens: the optimum's lead there
-is mostly the second use of chunks stored once, the next turn of a
-conversation seen once. Whether a conversation comes back is all but random to
-anything a policy sees: a first turn has a next one 33.5% of the time, and
-between 17% and 44% however it is cut (prompt length, last-block fill, answer
-length, arrivals), so no predictor built on these beats "never". A policy
-given every class's exact reuse distribution in advance (turn depth, time
-since the previous turn, last block) reaches 17.5-17.7% at 3,000,000 tokens;
-given one bit more per request, whether its conversation has another turn, it
-reaches 28.1%, and still 20.2% (1.49x) with that bit wrong for 30% of
-requests (`bench/first_reuse.py`). The room left is that bit.
+What it does not do is predict a chunk's *first* reuse: whether a conversation
+seen once comes back is all but random to anything a policy sees. The hit
+rates it reaches, against LRU, the other policies and the offline optimum, and
+what is left to win, are measured in README.md ("Cache policies"), printed by
+``bench/policy.py`` and ``bench/first_reuse.py``.
 
 Prefix order: keys come head first and are committed tail first in both
 segments, so within a segment a request's tail goes before its head; under
@@ -72,12 +54,10 @@ Costs: O(1) amortized per key in the tier (OrderedDict moves; an eviction
 plans every victim before it changes anything, so it is all or nothing), the
 same per sampled key in the shadows; the ghosts forget a generation at a
 time, at no cost per key. Metadata is bounded: the tier's ghosts hold at most
-2 x (``max(histories)`` + 2) capacities of keys (about a third of that in
-use on the trace), each shadow its capacity of keys and as many ghosts in
-proportion (`statistics`: ``history`` counts ghosts and shadow keys,
-``history_limit`` bounds them). The manager runs at 0.43-0.54x its speed with
-LRU with it, a little slower than with ASLRU (0.55-0.64x; `bench/manager.py`):
-the shadows and the sampling cost about a tenth of a run.
+2 x (``max(histories)`` + 2) capacities of keys, each shadow its capacity of
+keys and as many ghosts in proportion (`statistics`: ``history`` counts ghosts
+and shadow keys, ``history_limit`` bounds them). Its speed against LRU's is in
+README.md (``bench/manager.py``).
 """
 
 from __future__ import annotations
@@ -88,9 +68,11 @@ from collections.abc import Container, Iterator, Sequence
 from itertools import filterfalse, islice
 from zlib import crc32
 
+from tiering._checks import is_int
 from tiering._types import OffloadKey
 from tiering.errors import ConfigError
-from tiering.policies.aslru import _drain, plan_victims
+from tiering.policies._segments import Ghosts, marginal_hits, plan_victims, remove, take
+from tiering.policies._shadows import LRUShadow, SegmentedShadow
 from tiering.policies.base import CachePolicy, PolicyStatistics, estimate_entry_bytes
 
 __all__ = ["DSLRUPolicy"]
@@ -98,87 +80,6 @@ __all__ = ["DSLRUPolicy"]
 _TARGET_SHADOW = 64  # chunks a shadow aims for
 _MAX_SHIFT = 6  # sample at least one key in 64
 _PERIODS = 4  # score periods per shadow capacity of sampled keys
-
-
-class _Ghosts:
-    """Keys evicted from either segment -> their segment's eviction count when they left
-    (positive from probation, negated from protected), in two generations of plain
-    dicts: the older is dropped whole when the newer has taken ``span`` probation keys
-    (or ``limit`` keys in all), so forgetting costs nothing per key and a lookup is two
-    dict probes. A probation key is remembered for ``span`` probation evictions or more
-    (unless protected ones crowd a generation to ``limit``); at most 2 x ``limit`` keys."""
-
-    __slots__ = ("added", "limit", "new", "old", "span")
-
-    def __init__(self, span: int, limit: int) -> None:
-        self.span = max(1, span)
-        self.limit = max(self.span, limit)
-        self.new: dict[OffloadKey, int] = {}
-        self.old: dict[OffloadKey, int] = {}
-        self.added = 0
-
-    def isdisjoint(self, keys: Sequence[OffloadKey]) -> bool:
-        return self.new.keys().isdisjoint(keys) and self.old.keys().isdisjoint(keys)
-
-    def get(self, key: OffloadKey) -> int:
-        """``key``'s signed count, 0 if it is not remembered."""
-        left = self.new.get(key)
-        return self.old.get(key, 0) if left is None else left
-
-    def pop(self, key: OffloadKey) -> int:
-        """Forget ``key`` (it is in one generation at most); its signed count, or 0."""
-        left = self.new.pop(key, None)
-        return self.old.pop(key, 0) if left is None else left
-
-    def add(self, keys: list[OffloadKey], count: int, *, probation: bool) -> int:
-        """Remember ``keys``, evicted from their segment after ``count`` others; the
-        segment's count after them. A generation never holds more than ``limit`` keys
-        (of a larger call, the last ``limit`` evicted are remembered)."""
-        total = count + len(keys)
-        if len(keys) > self.limit:
-            keys = keys[-self.limit :]
-            count = total - len(keys)
-        new = self.new
-        if len(new) + len(keys) > self.limit or (probation and self.added >= self.span):
-            self.old, self.new = new, {}
-            new = self.new
-            self.added = 0
-        if probation:
-            new.update(zip(keys, range(count + 1, total + 1), strict=True))
-            self.added += len(keys)
-        else:
-            new.update(zip(keys, range(-count - 1, -total - 1, -1), strict=True))
-        return total
-
-    def __len__(self) -> int:
-        return len(self.new) + len(self.old)
-
-    def clear(self) -> None:
-        self.new, self.old = {}, {}
-        self.added = 0
-
-
-def _marginal(
-    keys: Sequence[OffloadKey], ghosts: _Ghosts, evicted1: int, evicted2: int, window: int
-) -> int:
-    """Marginal hits of a store's leading run (see `ASLRUPolicy`): how many of its first
-    keys a probation segment larger by ``window`` would have kept, less how many a larger
-    protected one would have; past the first key neither would, the request misses."""
-    grow = shrink = 0
-    run1 = run2 = True
-    for key in keys:
-        left = ghosts.get(key)
-        if left > 0 and evicted1 - left <= window:
-            grow += run1
-            run2 = False
-        elif left < 0 and evicted2 + left <= window:
-            shrink += run2
-            run1 = False
-        else:
-            break
-        if not (run1 or run2):
-            break
-    return grow - shrink
 
 
 class _Segments(CachePolicy):
@@ -206,7 +107,7 @@ class _Segments(CachePolicy):
         # Front = coldest.
         self._probation: OrderedDict[OffloadKey, int] = OrderedDict()
         self._protected: OrderedDict[OffloadKey, int] = OrderedDict()
-        self._ghosts = _Ghosts(history, history + 2 * capacity)
+        self._ghosts = Ghosts(history, history + 2 * capacity)
         self._probation_evictions = self._protected_evictions = 0
         self._admitted = 0
 
@@ -218,7 +119,7 @@ class _Segments(CachePolicy):
             probation.update(dict.fromkeys(reversed(keys), stored))  # the common case, in C
             return
         evicted1, evicted2 = self._probation_evictions, self._protected_evictions
-        moved = _marginal(keys, ghosts, evicted1, evicted2, self._window)
+        grow, shrink = marginal_hits(keys, ghosts.get, evicted1, evicted2, self._window)
         # Admission: the remembered keys recent enough go to protected, in one step,
         # and the others to probation in another.
         remembered = ghosts.new.keys() & keys | ghosts.old.keys() & keys
@@ -236,7 +137,7 @@ class _Segments(CachePolicy):
             order = [k for k in order if k not in admit]  # type: ignore[assignment]
         probation.update(dict.fromkeys(order, stored))
         self._admitted += len(admit)
-        target = self._target + self._step * moved
+        target = self._target + self._step * (grow - shrink)
         self._target = min(float(self._capacity), max(0.0, target))
 
     def _commit(self, keys: Sequence[OffloadKey], mask: int) -> list[OffloadKey]:
@@ -277,18 +178,17 @@ class _Segments(CachePolicy):
                 return None
             from_probation, from_kept = planned
         else:
-            planned = plan_victims(n, protected, probation, kept, self._target)
+            planned = plan_victims(n, protected, probation, kept, len(probation) - self._target)
             if planned is None:
                 return None
             from_probation, from_kept = planned
+        take(probation, kept, from_probation, from_kept)
         ghosts = self._ghosts
         if from_probation:
-            _drain(map(probation.__delitem__, from_probation))
             self._probation_evictions = ghosts.add(
                 from_probation, self._probation_evictions, probation=True
             )
         if from_kept:
-            _drain(map(kept.__delitem__, from_kept))
             self._protected_evictions = ghosts.add(
                 from_kept, self._protected_evictions, probation=False
             )
@@ -324,9 +224,7 @@ class _Segments(CachePolicy):
         return from_probation, from_kept
 
     def remove(self, keys: Sequence[OffloadKey]) -> None:
-        for key in keys:
-            if self._probation.pop(key, None) is None:
-                self._protected.pop(key, None)
+        remove(keys, self._probation, self._protected)
 
     def clear(self) -> None:
         for segment in (self._probation, self._protected):
@@ -346,150 +244,6 @@ class _Segments(CachePolicy):
 def _used(value: int) -> int:
     """The use a segment value stands for (a stored key's: the number after its store's)."""
     return value if value >= 0 else -1 - value
-
-
-class _LRUShadow:
-    """The hits, as the manager counts them, of LRU over the sampled keys."""
-
-    __slots__ = ("capacity", "held", "hits")
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.held: OrderedDict[OffloadKey, None] = OrderedDict()
-        self.hits = 0
-
-    def access(self, keys: list[OffloadKey], tail: bool) -> None:
-        """One request's sampled ``keys``, head first (``tail``: unused by LRU)."""
-        held = self.held
-        run = 0
-        for key in keys:
-            if key not in held:
-                break
-            run += 1
-        self.hits += run
-        move = held.move_to_end
-        for key in reversed(keys):
-            if key in held:
-                move(key)
-            else:
-                held[key] = None
-        over = len(held) - self.capacity
-        if over > 0:
-            popitem = held.popitem
-            for _ in range(over):
-                popitem(last=False)
-
-    def keys(self) -> int:
-        return len(self.held)
-
-    def ghosts(self) -> int:
-        return 0
-
-    def limit(self) -> int:
-        return self.capacity
-
-    def clear(self) -> None:
-        self.held.clear()
-        self.hits = 0
-
-
-class _SegmentedShadow:
-    """The hits of the segmented expert over the sampled keys: `_Segments`' rule, in the
-    few steps one request of a shadow needs (its store and its touch come together)."""
-
-    __slots__ = (
-        "admit", "capacity", "evicted1", "evicted2", "hits", "memory",
-        "probation", "protected", "step", "target", "window",
-    )  # fmt: skip
-
-    def __init__(self, capacity: int, admit: int, span: int, window: int, step: float) -> None:
-        self.capacity = capacity
-        self.admit = admit
-        self.window = window
-        self.step = step
-        self.probation: OrderedDict[OffloadKey, None] = OrderedDict()
-        self.protected: OrderedDict[OffloadKey, None] = OrderedDict()
-        self.memory = _Ghosts(span, span + 2 * capacity)
-        self.target = 0.0
-        self.evicted1 = self.evicted2 = self.hits = 0
-
-    def access(self, keys: list[OffloadKey], tail: bool) -> None:
-        """One request's sampled ``keys``, head first; ``tail``: the last is the request's."""
-        probation, protected = self.probation, self.protected
-        run = 0
-        for key in keys:
-            if key not in probation and key not in protected:
-                break
-            run += 1
-        self.hits += run
-        new = [key for key in dict.fromkeys(keys[run:]) if key not in probation]
-        new = [key for key in new if key not in protected]
-        if new and not self._store(new, keys):
-            new = []
-        fresh = set(new)
-        for key in reversed(keys):  # the touch
-            if key in fresh:
-                continue
-            if key in probation:
-                del probation[key]
-                protected[key] = None
-            elif key in protected:
-                protected.move_to_end(key)
-        if tail and new and new[-1] is keys[-1] and keys[-1] in probation:
-            probation.move_to_end(keys[-1], last=False)
-
-    def _store(self, new: list[OffloadKey], keys: list[OffloadKey]) -> bool:
-        """Insert ``new`` and evict for it (never one of ``keys``); False, and nothing
-        changed, if there is no room (as the manager refuses a store before its insert)."""
-        probation, protected = self.probation, self.protected
-        need = len(probation) + len(protected) + len(new) - self.capacity
-        if need > 0:
-            held = sum(1 for key in set(keys) if key in probation or key in protected)
-            if len(probation) + len(protected) - held < need:
-                return False
-        ghosts = self.memory
-        admitted: set[OffloadKey] = set()
-        if not ghosts.isdisjoint(new):
-            moved = _marginal(new, ghosts, self.evicted1, self.evicted2, self.window)
-            oldest1, oldest2 = self.evicted1 - self.admit, self.evicted2 - self.capacity
-            for key in new:
-                left = ghosts.pop(key)
-                if left and (left >= oldest1 if left > 0 else -left >= oldest2):
-                    admitted.add(key)
-            target = self.target + self.step * moved
-            self.target = min(float(self.capacity), max(0.0, target))
-        if need > 0:
-            planned = plan_victims(need, keys, probation, protected, self.target)
-            assert planned is not None  # the room was counted above
-            victims1, victims2 = planned
-            if victims1:
-                _drain(map(probation.__delitem__, victims1))
-                self.evicted1 = ghosts.add(victims1, self.evicted1, probation=True)
-            if victims2:
-                _drain(map(protected.__delitem__, victims2))
-                self.evicted2 = ghosts.add(victims2, self.evicted2, probation=False)
-        for key in reversed(new):
-            if key in admitted:
-                protected[key] = None
-            else:
-                probation[key] = None
-        return True
-
-    def keys(self) -> int:
-        return len(self.probation) + len(self.protected)
-
-    def ghosts(self) -> int:
-        return len(self.memory)
-
-    def limit(self) -> int:
-        return self.capacity + 2 * self.memory.limit
-
-    def clear(self) -> None:
-        self.probation.clear()
-        self.protected.clear()
-        self.memory.clear()
-        self.target = 0.0
-        self.evicted1 = self.evicted2 = self.hits = 0
 
 
 class DSLRUPolicy(_Segments):
@@ -518,8 +272,9 @@ class DSLRUPolicy(_Segments):
         window: float = 0.1,
         step: float = 1 / 1024,
     ) -> None:
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+        if not is_int(capacity) or capacity < 1:
             raise ConfigError(f"DSLRUPolicy capacity must be at least 1 chunk, got {capacity!r}")
+        capacity = int(capacity)  # numpy's integers too
         histories = tuple(histories)
         if not histories or not all(
             not isinstance(h, bool) and isinstance(h, int | float) and math.isfinite(h) and h >= 0
@@ -553,9 +308,9 @@ class DSLRUPolicy(_Segments):
         # Expert 0 is LRU; expert i >= 1 the segments with ghost history histories[i - 1].
         # A shadow has the same history, window and step as fractions of its (smaller)
         # capacity: one sampled marginal hit stands for 2**shift real ones.
-        self._shadows: list[_LRUShadow | _SegmentedShadow] = [_LRUShadow(size)]
+        self._shadows: list[LRUShadow | SegmentedShadow] = [LRUShadow(size)]
         self._shadows += (
-            _SegmentedShadow(
+            SegmentedShadow(
                 size, int(h * size), int(max(histories) * size), max(1, int(window * size)),
                 self._step,
             )

@@ -30,23 +30,14 @@ longer workload are the n requests of a shorter one.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Iterator
 
 import numpy as np
-import numpy.typing as npt
 
 from tiering.errors import WorkloadError
-from tiering.workload.synthetic import (
-    BATCH,
-    DECODE_SECONDS_PER_TOKEN,
-    EarliestTurns,
-    check_int,
-    check_real,
-    check_request_count,
-    log_normal_mu,
-    prompt_request,
-)
-from tiering.workload.trace import BLOCK_TOKENS, Request
+from tiering.workload.sessions import Batch, Lengths, check_sessions, draw_batch, requests_of
+from tiering.workload.synthetic import BATCH, check_int, check_real
+from tiering.workload.trace import Request
 
 __all__ = ["chat_workload"]
 
@@ -55,16 +46,6 @@ _USER_SIGMA = 1.2
 _OUTPUT_SIGMA = 0.8
 _MIN_USER_TOKENS = 8
 _MAX_OUTPUT_TOKENS = 4096
-
-
-class _Turn(NamedTuple):
-    time_s: float
-    conversation: int
-    turn: int
-    system_prompt: int
-    system_tokens: int
-    input_length: int
-    output_length: int
 
 
 def chat_workload(
@@ -102,17 +83,14 @@ def chat_workload(
     prefixes. The same arguments always give the same requests. Raises
     `WorkloadError` for a parameter out of range.
     """
-    check_request_count(num_requests)
-    check_int("seed", seed, 0)
+    turns_mean, rate, think = check_sessions(
+        num_requests, seed, mean_turns, request_rate, think_time_s, max_input_tokens
+    )
     check_int("num_system_prompts", num_system_prompts, 1)
     check_int("system_prompt_tokens", system_prompt_tokens, 1)
     skew = check_real("popularity_skew", popularity_skew, 0.0, inclusive=True)
-    turns_mean = check_real("mean_turns", mean_turns, 1.0, inclusive=True)
     check_int("user_tokens", user_tokens, _MIN_USER_TOKENS)
     check_int("output_tokens", output_tokens, 1)
-    rate = check_real("request_rate", request_rate, 0.0, inclusive=False)
-    think = check_real("think_time_s", think_time_s, 0.0, inclusive=True)
-    check_int("max_input_tokens", max_input_tokens, 1)
     if max_input_tokens < 2 * system_prompt_tokens:
         raise WorkloadError(
             f"max_input_tokens must be at least 2 * system_prompt_tokens = "
@@ -122,111 +100,48 @@ def chat_workload(
         return []
 
     rng = np.random.default_rng(seed)
-    turns = _draw_turns(
+    system_lengths = rng.integers(
+        max(1, system_prompt_tokens // 2),
+        system_prompt_tokens * 3 // 2 + 1,
+        size=num_system_prompts,
+    )
+    batches = _batches(
         rng,
-        num_requests,
-        system_lengths=rng.integers(
-            max(1, system_prompt_tokens // 2),
-            system_prompt_tokens * 3 // 2 + 1,
-            size=num_system_prompts,
-        ),
+        system_lengths.size,
         skew=skew,
         mean_turns=turns_mean,
         user_tokens=user_tokens,
         output_tokens=output_tokens,
         conversation_rate=rate / turns_mean,
         think_time_s=think,
-        max_input_tokens=max_input_tokens,
     )
-    return _to_requests(turns)
+    lengths = system_lengths.tolist()
+
+    def start(batch: Batch, j: int, start_s: float) -> tuple[int, int]:
+        system = int(batch.picks[j])
+        return lengths[system], system
+
+    return requests_of(num_requests, batches, start, max_input_tokens, lengths.__getitem__)
 
 
-def _draw_turns(
+def _batches(
     rng: np.random.Generator,
-    num_requests: int,
+    system_prompts: int,
     *,
-    system_lengths: npt.NDArray[np.int64],
     skew: float,
     mean_turns: float,
     user_tokens: int,
     output_tokens: int,
     conversation_rate: float,
     think_time_s: float,
-    max_input_tokens: int,
-) -> list[_Turn]:
-    """The ``num_requests`` earliest turns, sorted by arrival time."""
-    weights = np.arange(1, system_lengths.size + 1, dtype=np.float64) ** -skew
+) -> Iterator[Batch]:
+    """Conversations, `BATCH` at a time: each picks a system prompt by popularity."""
+    weights = np.arange(1, system_prompts + 1, dtype=np.float64) ** -skew
     weights /= weights.sum()
-    user_mu = log_normal_mu(user_tokens, _USER_SIGMA)
-    output_mu = log_normal_mu(output_tokens, _OUTPUT_SIGMA)
-
-    turns: list[_Turn] = []
-    earliest = EarliestTurns(num_requests)
-    start = 0.0
-    conversation = 0
+    user = Lengths(user_tokens, _USER_SIGMA, _MIN_USER_TOKENS)
+    output = Lengths(output_tokens, _OUTPUT_SIGMA, 1, _MAX_OUTPUT_TOKENS)
     while True:
-        systems = rng.choice(system_lengths.size, size=BATCH, p=weights)
+        systems = rng.choice(system_prompts, size=BATCH, p=weights)
         counts = rng.geometric(1.0 / mean_turns, size=BATCH)
         start_gaps = rng.exponential(1.0 / conversation_rate, size=BATCH)
-        total = int(counts.sum())
-        users = rng.lognormal(user_mu, _USER_SIGMA, size=total)
-        outputs = rng.lognormal(output_mu, _OUTPUT_SIGMA, size=total)
-        thinks = rng.exponential(think_time_s, size=total)
-        users_int = np.maximum(np.rint(users), _MIN_USER_TOKENS).astype(np.int64).tolist()
-        outputs_int = np.clip(np.rint(outputs), 1, _MAX_OUTPUT_TOKENS).astype(np.int64).tolist()
-        thinks_list = thinks.tolist()
-        offset = 0
-        for j in range(BATCH):
-            if earliest.complete_before(start):
-                turns.sort()
-                return turns[:num_requests]
-            system = int(systems[j])
-            system_tokens = int(system_lengths[system])
-            length = system_tokens
-            time_s = start
-            for k in range(int(counts[j])):
-                prompt = length + users_int[offset + k]
-                if k == 0:
-                    prompt = min(prompt, max_input_tokens)
-                elif prompt > max_input_tokens:
-                    break
-                output = outputs_int[offset + k]
-                turns.append(_Turn(time_s, conversation, k, system, system_tokens, prompt, output))
-                earliest.add(time_s)
-                length = prompt + output
-                time_s += output * DECODE_SECONDS_PER_TOKEN + thinks_list[offset + k]
-            offset += int(counts[j])
-            conversation += 1
-            start += float(start_gaps[j])
-
-
-def _to_requests(turns: list[_Turn]) -> list[Request]:
-    """Turn sorted turns into requests, numbering block ids by first appearance.
-
-    A conversation's turns come in order and its prompts only grow, so the ids of
-    its full blocks are kept as one growing list (the stream) and each turn names
-    only its new blocks.
-    """
-    next_id = 0
-    system_ids: dict[int, list[int]] = {}
-    streams: dict[int, list[int]] = {}
-    requests: list[Request] = []
-    for turn in turns:
-        full_blocks = turn.input_length // BLOCK_TOKENS
-        stream = streams.setdefault(turn.conversation, [])
-        if len(stream) < full_blocks:
-            system = system_ids.setdefault(turn.system_prompt, [])
-            shared = min(turn.system_tokens // BLOCK_TOKENS, full_blocks)
-            while len(system) < shared:
-                system.append(next_id)
-                next_id += 1
-            if len(stream) < shared:
-                stream.extend(system[len(stream) : shared])
-            fresh = full_blocks - len(stream)
-            stream.extend(range(next_id, next_id + fresh))
-            next_id += fresh
-        request, next_id = prompt_request(
-            turn.time_s, turn.input_length, turn.output_length, stream[:full_blocks], next_id
-        )
-        requests.append(request)
-    return requests
+        yield draw_batch(rng, counts, start_gaps, systems.tolist(), user, output, think_time_s)

@@ -29,22 +29,14 @@ longer workload are the n requests of a shorter one.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Iterator
 
 import numpy as np
 import numpy.typing as npt
 
 from tiering.errors import WorkloadError
-from tiering.workload.synthetic import (
-    BATCH,
-    DECODE_SECONDS_PER_TOKEN,
-    EarliestTurns,
-    check_int,
-    check_real,
-    check_request_count,
-    log_normal_mu,
-    prompt_request,
-)
+from tiering.workload.sessions import Batch, Lengths, check_sessions, draw_batch, requests_of
+from tiering.workload.synthetic import BATCH, check_int, check_real, log_normal_mu
 from tiering.workload.trace import BLOCK_TOKENS, Request
 
 __all__ = ["documents_workload"]
@@ -55,14 +47,6 @@ _ANSWER_SIGMA = 0.8
 _MIN_DOCUMENT_TOKENS = 512
 _MIN_QUESTION_TOKENS = 4
 _MAX_ANSWER_TOKENS = 4096
-
-
-class _Turn(NamedTuple):
-    time_s: float
-    session: int
-    document: int
-    input_length: int
-    output_length: int
 
 
 def documents_workload(
@@ -98,8 +82,9 @@ def documents_workload(
     conventions as `chat_workload`. The same arguments always give the same
     requests. Raises `WorkloadError` for a parameter out of range.
     """
-    check_request_count(num_requests)
-    check_int("seed", seed, 0)
+    turns_mean, rate, think = check_sessions(
+        num_requests, seed, mean_turns, request_rate, think_time_s, max_input_tokens
+    )
     check_int("initial_documents", initial_documents, 1)
     doc_rate = check_real("document_rate", document_rate, 0.0, inclusive=True)
     skew = check_real("popularity_skew", popularity_skew, 0.0, inclusive=True)
@@ -107,10 +92,6 @@ def documents_workload(
     check_int("system_prompt_tokens", system_prompt_tokens, 0)
     check_int("question_tokens", question_tokens, _MIN_QUESTION_TOKENS)
     check_int("answer_tokens", answer_tokens, 1)
-    turns_mean = check_real("mean_turns", mean_turns, 1.0, inclusive=True)
-    rate = check_real("request_rate", request_rate, 0.0, inclusive=False)
-    think = check_real("think_time_s", think_time_s, 0.0, inclusive=True)
-    check_int("max_input_tokens", max_input_tokens, 1)
     room = max_input_tokens - system_prompt_tokens - 2 * BLOCK_TOKENS
     if room < _MIN_DOCUMENT_TOKENS:
         raise WorkloadError(
@@ -122,21 +103,25 @@ def documents_workload(
     if num_requests == 0:
         return []
     documents = _Documents(seed, document_tokens, room, skew)
-    turns = _draw_turns(
+    batches = _batches(
         np.random.default_rng(seed),
-        num_requests,
-        documents=documents,
-        initial_documents=initial_documents,
-        document_rate=doc_rate,
-        system_tokens=system_prompt_tokens,
         question_tokens=question_tokens,
         answer_tokens=answer_tokens,
         mean_turns=turns_mean,
         session_rate=rate / turns_mean,
         think_time_s=think,
-        max_input_tokens=max_input_tokens,
     )
-    return _to_requests(turns, documents, system_prompt_tokens)
+
+    def start(batch: Batch, j: int, start_s: float) -> tuple[int, int]:
+        document = documents.pick(batch.picks[j], initial_documents + int(start_s * doc_rate))
+        return system_prompt_tokens + documents.length(document), document
+
+    def prefix_tokens(document: int) -> int:
+        return system_prompt_tokens + documents.length(document)
+
+    return requests_of(
+        num_requests, batches, start, max_input_tokens, prefix_tokens, system_prompt_tokens
+    )
 
 
 class _Documents:
@@ -169,91 +154,20 @@ class _Documents:
         return count - 1 - rank
 
 
-def _draw_turns(
+def _batches(
     rng: np.random.Generator,
-    num_requests: int,
     *,
-    documents: _Documents,
-    initial_documents: int,
-    document_rate: float,
-    system_tokens: int,
     question_tokens: int,
     answer_tokens: int,
     mean_turns: float,
     session_rate: float,
     think_time_s: float,
-    max_input_tokens: int,
-) -> list[_Turn]:
-    """The ``num_requests`` earliest turns, sorted by arrival time (as in `chat_workload`)."""
-    question_mu = log_normal_mu(question_tokens, _QUESTION_SIGMA)
-    answer_mu = log_normal_mu(answer_tokens, _ANSWER_SIGMA)
-    turns: list[_Turn] = []
-    earliest = EarliestTurns(num_requests)
-    start = 0.0
-    session = 0
+) -> Iterator[Batch]:
+    """Sessions, `BATCH` at a time: each picks a document by a uniform draw (`_Documents`)."""
+    question = Lengths(question_tokens, _QUESTION_SIGMA, _MIN_QUESTION_TOKENS)
+    answer = Lengths(answer_tokens, _ANSWER_SIGMA, 1, _MAX_ANSWER_TOKENS)
     while True:
         counts = rng.geometric(1.0 / mean_turns, size=BATCH)
         start_gaps = rng.exponential(1.0 / session_rate, size=BATCH)
         picks = rng.random(size=BATCH).tolist()
-        total = int(counts.sum())
-        questions = rng.lognormal(question_mu, _QUESTION_SIGMA, size=total)
-        answers = rng.lognormal(answer_mu, _ANSWER_SIGMA, size=total)
-        thinks = rng.exponential(think_time_s, size=total).tolist()
-        questions_int = np.maximum(np.rint(questions), _MIN_QUESTION_TOKENS).astype(np.int64)
-        answers_int = np.clip(np.rint(answers), 1, _MAX_ANSWER_TOKENS).astype(np.int64)
-        offset = 0
-        for j in range(BATCH):
-            if earliest.complete_before(start):
-                turns.sort()
-                return turns[:num_requests]
-            count = initial_documents + int(start * document_rate)
-            document = documents.pick(picks[j], count)
-            length = system_tokens + documents.length(document)
-            time_s = start
-            for k in range(int(counts[j])):
-                prompt = length + int(questions_int[offset + k])
-                if prompt > max_input_tokens:
-                    if k:
-                        break
-                    prompt = max_input_tokens
-                output = int(answers_int[offset + k])
-                turns.append(_Turn(time_s, session, document, prompt, output))
-                earliest.add(time_s)
-                length = prompt + output
-                time_s += output * DECODE_SECONDS_PER_TOKEN + thinks[offset + k]
-            offset += int(counts[j])
-            session += 1
-            start += float(start_gaps[j])
-
-
-def _to_requests(turns: list[_Turn], documents: _Documents, system_tokens: int) -> list[Request]:
-    """Name blocks by system prompt, document or session, numbering ids by first appearance."""
-    next_id = 0
-    system_ids: list[int] = []
-    document_ids: dict[int, list[int]] = {}
-    streams: dict[int, list[int]] = {}
-    requests: list[Request] = []
-    system_blocks = system_tokens // BLOCK_TOKENS
-    for turn in turns:
-        full_blocks = turn.input_length // BLOCK_TOKENS
-        stream = streams.setdefault(turn.session, [])
-        if len(stream) < full_blocks:
-            document_end = system_tokens + documents.length(turn.document)
-            shared = min(document_end // BLOCK_TOKENS, full_blocks)
-            while len(system_ids) < system_blocks:  # every prompt holds the whole system prompt
-                system_ids.append(next_id)
-                next_id += 1
-            own = document_ids.setdefault(turn.document, list(system_ids))
-            while len(own) < shared:
-                own.append(next_id)
-                next_id += 1
-            if len(stream) < shared:
-                stream.extend(own[len(stream) : shared])
-            fresh = full_blocks - len(stream)
-            stream.extend(range(next_id, next_id + fresh))
-            next_id += fresh
-        request, next_id = prompt_request(
-            turn.time_s, turn.input_length, turn.output_length, stream[:full_blocks], next_id
-        )
-        requests.append(request)
-    return requests
+        yield draw_batch(rng, counts, start_gaps, picks, question, answer, think_time_s)
