@@ -18,7 +18,7 @@ import operator
 
 from tiering.errors import ConfigError
 
-__all__ = ["check_bool", "check_int", "check_real", "is_int", "integer_text"]
+__all__ = ["check_bool", "check_int", "check_real", "integer_text", "is_int"]
 
 
 def is_int(value: object) -> bool:
@@ -74,9 +74,11 @@ def check_real(
 ) -> float:
     """``value`` as a ``float`` if it is a finite number at or above ``minimum`` (above it,
     if not ``inclusive``); else ``error``."""
-    if not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value):
-        if minimum is None or value > minimum or (inclusive and value == minimum):
-            return float(value)
+    if not isinstance(value, bool) and isinstance(value, (int, float)):
+        number = float(value) if abs(value) < 1e308 else math.inf
+        in_range = minimum is None or number > minimum or (inclusive and number == minimum)
+        if math.isfinite(number) and in_range:
+            return number
     bound = "" if minimum is None else f" {'>=' if inclusive else '>'} {minimum:g}"
     raise error(f"{name} must be a finite number{bound}, got {_shown(value)}")
 
