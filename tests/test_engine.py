@@ -297,6 +297,24 @@ async def test_close_cancels_queued_and_finishes_running(anyio_backend: str) -> 
         engine.submit_store_nowait(keys(3), spec([3]))
 
 
+def test_cpu_bytes_is_checked_before_the_engine_takes_an_id() -> None:
+    first = TieringEngine(config(), kv_caches(), cpu_bytes=1 << 20, backend="mock")
+    with pytest.raises(ConfigError, match="cpu_bytes must be a positive integer"):
+        TieringEngine(config(), kv_caches(), cpu_bytes=0, engine_id="")
+    with pytest.raises(ConfigError, match="cpu_bytes"):
+        TieringEngine(config(), kv_caches(), cpu_bytes=0)
+    second = TieringEngine(config(), kv_caches(), cpu_bytes=1 << 20, backend="mock")
+    assert int(second.engine_id) == int(first.engine_id) + 1  # the refused one took none
+    refused = ""  # a numpy integer: refused naming cpu_bytes, or taken as the int it is
+    try:
+        engine = TieringEngine(config(), kv_caches(), cpu_bytes=np.int64(1 << 20), backend="mock")
+    except ConfigError as exc:
+        refused = str(exc)
+    else:
+        assert engine.manager.capacity == second.manager.capacity
+    assert not refused or refused.startswith("cpu_bytes")
+
+
 async def test_bad_input_is_refused_before_anything_moves(anyio_backend: str) -> None:
     with pytest.raises(CapacityError, match="holds no chunk"):
         TieringEngine(config(), kv_caches(), cpu_bytes=100)

@@ -124,3 +124,11 @@ def test_check_bool_takes_only_bools() -> None:
     for value in (0, 1, "false", None):
         with pytest.raises(ConfigError, match="b must be true or false"):
             check_bool("b", value)
+
+
+def test_check_real_takes_inf_only_where_a_timeout_may_never_end() -> None:
+    assert check_real("t", float("inf"), minimum=0, inclusive=False, infinite=True) == float("inf")
+    with pytest.raises(ConfigError, match=r"> 0 \(or inf: no limit\), got nan"):
+        check_real("t", float("nan"), minimum=0, inclusive=False, infinite=True)
+    with pytest.raises(ConfigError, match="got -inf"):
+        check_real("t", float("-inf"), minimum=0, infinite=True)

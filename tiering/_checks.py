@@ -70,17 +70,22 @@ def check_real(
     *,
     minimum: float | None = None,
     inclusive: bool = True,
+    infinite: bool = False,
     error: type[Exception] = ConfigError,
 ) -> float:
     """``value`` as a ``float`` if it is a finite number at or above ``minimum`` (above it,
-    if not ``inclusive``); else ``error``."""
+    if not ``inclusive``), or ``inf`` where ``infinite`` (a timeout that never ends); else
+    ``error``."""
+    if infinite and value == math.inf and isinstance(value, float):
+        return math.inf
     if not isinstance(value, bool) and isinstance(value, (int, float)):
         number = float(value) if abs(value) < 1e308 else math.inf
         in_range = minimum is None or number > minimum or (inclusive and number == minimum)
         if math.isfinite(number) and in_range:
             return number
     bound = "" if minimum is None else f" {'>=' if inclusive else '>'} {minimum:g}"
-    raise error(f"{name} must be a finite number{bound}, got {_shown(value)}")
+    endless = " (or inf: no limit)" if infinite else ""
+    raise error(f"{name} must be a finite number{bound}{endless}, got {_shown(value)}")
 
 
 def check_bool(name: str, value: object, *, error: type[Exception] = ConfigError) -> bool:

@@ -147,6 +147,7 @@ class TieringEngine:
         cascade_queue: int = 64,
         cascade_chunks: int | None = None,
     ) -> None:
+        cpu_bytes = check_int("cpu_bytes", cpu_bytes, minimum=1)  # first: a refused one takes no id
         self.config = config
         #: Names this engine in metrics and logs: ``engine_id``, or ``"0"``,
         #: ``"1"``, ... in the order engines are built in this process.

@@ -216,3 +216,23 @@ def test_bad_translator_settings_are_config_errors() -> None:
         EventTranslator(tokens_per_chunk=16, hash_format="hex")
     with pytest.raises(ConfigError, match="self_describing must be True or False, got 'yes'"):
         EventTranslator(tokens_per_chunk=16, self_describing="yes")  # type: ignore[arg-type]
+
+
+def test_a_numpy_integer_never_reaches_the_wire() -> None:
+    """What goes on the wire is a Python int: a numpy integer is refused or converted,
+    never kept to fail the batch's encoding at publish time."""
+    import numpy as np
+
+    from tiering.events.schema import decode_batch, encode_batch
+
+    with pytest.raises(EventSchemaError, match="block_size must be an int"):
+        ChunkBlocks(block_hashes=[1], block_size=np.int64(16))  # type: ignore[arg-type]
+    try:
+        translator = EventTranslator(np.int64(32), self_describing=True)  # type: ignore[arg-type]
+    except ConfigError:
+        return  # refused: as good as converted
+    batch = translator.batch([ChunksStored(keys=(key(1),))], ts=1.0)
+    assert batch is not None
+    (event,) = decode_batch(encode_batch(batch)).events
+    assert isinstance(event, BlockStored)
+    assert event.block_size == 32

@@ -43,25 +43,7 @@ from tiering.cpu.manager import ChunkEvent, ChunksRemoved, ChunksStored
 from tiering.errors import ConfigError, EventSchemaError
 from tiering.events.config import HashFormat
 
-__all__ = [
-    "AllBlocksCleared",
-    "BlockHash",
-    "BlockRemoved",
-    "BlockStored",
-    "ChunkBlocks",
-    "EventItem",
-    "EventSchemaError",
-    "EventTranslator",
-    "Gap",
-    "KVCacheEvent",
-    "KVEvent",
-    "KVEventBatch",
-    "SequencedBatch",
-    "decode_batch",
-    "encode_batch",
-    "key_wire_hash",
-    "wire_hash",
-]
+# No ``__all__``: `tiering.events` lists the names of this module that it exposes.
 
 #: A block hash on the wire: the low 64 bits as an int, or the raw bytes.
 BlockHash = int | bytes
@@ -194,7 +176,8 @@ class ChunkBlocks(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     def __post_init__(self) -> None:
         if not self.block_hashes:
             raise EventSchemaError("ChunkBlocks.block_hashes is empty; a chunk covers >= 1 block")
-        if not is_int(self.block_size):
+        # An int, not numpy's: it goes on the wire as it is.
+        if not (is_int(self.block_size) and isinstance(self.block_size, int)):
             raise EventSchemaError(
                 f"ChunkBlocks.block_size must be an int, got {self.block_size!r}"
             )
@@ -271,7 +254,8 @@ class EventTranslator:
             ) from None
         if not isinstance(self_describing, bool):
             raise ConfigError(f"self_describing must be True or False, got {self_describing!r}")
-        self._tokens_per_chunk: tuple[int, ...] = tuple(cast(Sequence[int], per_group))  # by group
+        # By group; Python ints (a numpy integer would fail the batch's encoding).
+        self._tokens_per_chunk = tuple(int(cast(int, t)) for t in per_group)
         self._locality = locality
         self._self_describing = self_describing
         self._announced: dict[OffloadKey, list[BlockHash]] = {}

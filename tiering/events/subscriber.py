@@ -52,17 +52,17 @@ from anyio.abc import AsyncResource
 
 from tiering._checks import check_real, is_int
 from tiering._exports import RESOURCE_STATE, load
-from tiering._state import Lifecycle, ResourceState
-from tiering.errors import ConfigError
+from tiering._state import Lifecycle
+from tiering.errors import ConfigError, EventSchemaError
 from tiering.events.config import (
     DEFAULT_ENDPOINT,
     binds_every_interface,
     check_endpoint,
-    is_ipv6,
 )
 from tiering.events.monitor import PeerEvent, PeerMonitor
 from tiering.events.publisher import END_SEQ
-from tiering.events.schema import EventItem, EventSchemaError, Gap, SequencedBatch, decode_batch
+from tiering.events.schema import EventItem, Gap, SequencedBatch, decode_batch
+from tiering.events.sockets import SocketEnd, attach
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ def _check_host(endpoint: str, what: str) -> None:
         ) from None
 
 
-class ZmqSubscriber(AsyncResource):
+class ZmqSubscriber(SocketEnd, AsyncResource):
     """A client of `ZmqEventPublisher`: a SUB socket and, optionally, a DEALER for replay.
 
     The SUB socket binds an ``endpoint`` with a ``*`` wildcard (for a publisher
@@ -131,9 +131,17 @@ class ZmqSubscriber(AsyncResource):
     ) -> None:
         if start_seq is not None and (not is_int(start_seq) or start_seq < 0):
             raise ConfigError(f"start_seq must be None or an integer >= 0, got {start_seq!r}")
-        check_real("replay_timeout (seconds)", replay_timeout, minimum=0, inclusive=False)
+        check_real(
+            "replay_timeout (seconds)", replay_timeout, minimum=0, inclusive=False, infinite=True
+        )
         if idle_replay is not None:
-            check_real("idle_replay (seconds, or None)", idle_replay, minimum=0, inclusive=False)
+            check_real(
+                "idle_replay (seconds, or None)",
+                idle_replay,
+                minimum=0,
+                inclusive=False,
+                infinite=True,
+            )
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._endpoint = endpoint
         self._replay_endpoint = replay_endpoint
@@ -153,22 +161,16 @@ class ZmqSubscriber(AsyncResource):
         try:
             self._sub.setsockopt(zmq.RCVHWM, hwm)
             self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
-            if is_ipv6(endpoint):
-                self._sub.setsockopt(zmq.IPV6, 1)
-            if self._binds:
-                self._sub.bind(endpoint)
-                self._endpoint = bytes(self._sub.getsockopt(zmq.LAST_ENDPOINT)).decode()
-                if binds_every_interface(endpoint):
-                    logger.warning(
-                        "KV cache events: bound %s on every interface; the stream is "
-                        "unauthenticated: anyone who reaches the port can publish events here. "
-                        "Bind loopback instead (tcp://127.0.0.1:*), or let the publisher bind "
-                        "(tiering's default %s) and connect to it",
-                        self._endpoint,
-                        DEFAULT_ENDPOINT,
-                    )
-            else:
-                self._sub.connect(endpoint)
+            self._endpoint = attach(self._sub, endpoint, bind=self._binds)
+            if self._binds and binds_every_interface(endpoint):
+                logger.warning(
+                    "KV cache events: bound %s on every interface; the stream is "
+                    "unauthenticated: anyone who reaches the port can publish events here. "
+                    "Bind loopback instead (tcp://127.0.0.1:*), or let the publisher bind "
+                    "(tiering's default %s) and connect to it",
+                    self._endpoint,
+                    DEFAULT_ENDPOINT,
+                )
         except zmq.ZMQError as exc:
             self._close_sub()
             verb = "bind" if self._binds else "subscribe to"
@@ -198,9 +200,7 @@ class ZmqSubscriber(AsyncResource):
         dealer = self._ctx.socket(zmq.DEALER)
         try:
             dealer.setsockopt(zmq.RCVHWM, 0)  # a replay answer is bounded by the publisher's buffer
-            if is_ipv6(endpoint):
-                dealer.setsockopt(zmq.IPV6, 1)
-            dealer.connect(endpoint)
+            attach(dealer, endpoint, bind=False)
         except zmq.ZMQError as exc:
             dealer.close(linger=0)
             raise ConfigError(f"cannot connect to replay endpoint {endpoint!r}: {exc}") from exc
@@ -211,20 +211,6 @@ class ZmqSubscriber(AsyncResource):
             self._peers.close()
             self._peers = None
         self._sub.close(linger=0)
-
-    @property
-    def state(self) -> ResourceState:
-        return self._life.state
-
-    @property
-    def endpoint(self) -> str:
-        """The SUB address: the one connected to, or the bound one (wildcards resolved)."""
-        return self._endpoint
-
-    @property
-    def binds(self) -> bool:
-        """Whether the SUB socket binds `endpoint` (it has a ``*``) or connects to it."""
-        return self._binds
 
     @property
     def has_publisher(self) -> bool:

@@ -34,7 +34,6 @@ checkpoint does, with its place given back (or left to its thread).
 from __future__ import annotations
 
 import enum
-import math
 import threading
 from collections.abc import Callable
 from typing import Generic, TypeVar
@@ -130,8 +129,7 @@ class ThreadCalls:
         *,
         capture: tuple[type[BaseException], ...] = (OSError,),
     ) -> None:
-        if timeout_s != math.inf:  # no deadline; else a finite number of seconds
-            check_real("timeout_s", timeout_s, minimum=0.0, inclusive=False)
+        check_real("timeout_s", timeout_s, minimum=0.0, inclusive=False, infinite=True)
         self.max_threads = check_int("max_concurrency", max_threads, minimum=1)
         self.timeout_s = timeout_s  # as given: messages show it so ("within 5 s")
         self.capture = capture
