@@ -10,6 +10,7 @@ from __future__ import annotations
 import typing as _typing
 
 from tiering._exports import load as _load
+from tiering.errors import EventSchemaError
 from tiering.events.config import HashFormat, KVEventsConfig
 from tiering.events.schema import (
     AllBlocksCleared,
@@ -18,7 +19,6 @@ from tiering.events.schema import (
     BlockStored,
     ChunkBlocks,
     EventItem,
-    EventSchemaError,
     EventTranslator,
     Gap,
     KVCacheEvent,

@@ -64,19 +64,19 @@ import zmq
 
 from tiering._checks import check_real
 from tiering._exports import RESOURCE_STATE, load
-from tiering._state import Lifecycle, ResourceState
+from tiering._state import Lifecycle
 from tiering.errors import ConfigError
 from tiering.events.bus import SinkStatistics
 from tiering.events.config import (
     DEFAULT_ENDPOINT,
     KVEventsConfig,
     binds_every_interface,
-    is_ipv6,
     offset_endpoint,
     wildcard_of,
 )
 from tiering.events.monitor import PeerEvent, PeerMonitor
 from tiering.events.schema import KVEventBatch
+from tiering.events.sockets import SocketEnd, attach
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class _Seqs(Sequence[int]):
         return self._buffer[index][0]
 
 
-class ZmqEventPublisher:
+class ZmqEventPublisher(SocketEnd):
     """Sends KV event batches on ZeroMQ from its own thread; an `EventSink` named ``"zmq"``.
 
     ``publish`` never blocks and never waits for a subscriber. ``close`` is
@@ -216,13 +216,7 @@ class ZmqEventPublisher:
         """Bind or connect ``sock``; the address it really has (a bound wildcard resolved)."""
         bind = bind or should_bind(endpoint)
         try:
-            if is_ipv6(endpoint):
-                sock.setsockopt(zmq.IPV6, 1)
-            if bind:
-                sock.bind(endpoint)
-                return bytes(sock.getsockopt(zmq.LAST_ENDPOINT)).decode()
-            sock.connect(endpoint)
-            return endpoint
+            return attach(sock, endpoint, bind=bind)
         except zmq.ZMQError as exc:
             verb = "bind" if bind else "connect"
             raise ConfigError(f"cannot {verb} KVEventsConfig.{field} {endpoint!r}: {exc}") from exc
@@ -237,24 +231,9 @@ class ZmqEventPublisher:
         return self._rank
 
     @property
-    def endpoint(self) -> str:
-        """The PUB address: the bound one (wildcards resolved) or the one connected to."""
-        return self._endpoint
-
-    @property
-    def binds(self) -> bool:
-        """Whether the PUB socket binds `endpoint` (subscribers connect to it) or connects to it
-        (a subscriber must bind there): vLLM's rule, `should_bind`."""
-        return self._binds
-
-    @property
     def replay_endpoint(self) -> str | None:
         """The bound ROUTER address, or None without replay."""
         return self._replay_endpoint
-
-    @property
-    def state(self) -> ResourceState:
-        return self._life.state
 
     def publish(self, batch: KVEventBatch) -> None:
         """Queue ``batch`` for sending; when the queue is full, drop it and count its events."""

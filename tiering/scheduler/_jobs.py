@@ -20,15 +20,7 @@ from tiering.specs import IntArray
 if TYPE_CHECKING:
     from tiering.scheduler._scheduler import Scheduler
 
-__all__ = [
-    "LATENCY_BUCKETS",
-    "DirectionStatistics",
-    "JobHandle",
-    "JobOutcome",
-    "JobResult",
-    "SchedulerStatistics",
-    "manager_job",
-]
+# No ``__all__``: `tiering.scheduler` lists the names of this module that it exposes.
 
 
 class JobOutcome(enum.StrEnum):

@@ -119,12 +119,7 @@ class PageCopier:
                 "(use the 'cuda' backend for GPU tensors)"
             )
         self.layout = layout
-        self.num_chunks = layout.num_chunks(pool.nbytes)
-        if self.num_chunks < 1:
-            raise SpecError(
-                f"the pool holds {pool.nbytes} bytes, less than one chunk row "
-                f"({layout.row_bytes} bytes)"
-            )
+        self.num_chunks = layout.pool_chunks(pool.nbytes)
         words = pool.tensor[: self.num_chunks * layout.row_bytes].view(layout.word_dtype)
         self._kv = [layout.kv_view(i) for i in range(len(layout.tensors))]
         self._pool = [layout.pool_view(words, i) for i in range(len(layout.tensors))]

@@ -229,12 +229,7 @@ class CudaBackend(ThreadedBackend):
         self.device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
         self.layout = layout
         self._compute_stream = compute_stream
-        self.num_chunks = layout.num_chunks(pool.nbytes)
-        if self.num_chunks < 1:
-            raise SpecError(
-                f"the pool holds {pool.nbytes} bytes, less than one chunk row "
-                f"({layout.row_bytes} bytes)"
-            )
+        self.num_chunks = layout.pool_chunks(pool.nbytes)
         pool_bytes = self.num_chunks * layout.row_bytes
         piece_rows = max(1, pin_piece_bytes // layout.row_bytes)
         self._registration: HostRegistration | None = None

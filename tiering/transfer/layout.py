@@ -245,6 +245,17 @@ class KVLayout:
         """How many whole chunk rows fit in ``pool_bytes`` bytes."""
         return pool_bytes // self.row_bytes
 
+    def pool_chunks(self, pool_bytes: int) -> int:
+        """The chunk rows of a backend's pool of ``pool_bytes`` bytes; `SpecError` when it
+        holds not even one."""
+        num_chunks = self.num_chunks(pool_bytes)
+        if num_chunks < 1:
+            raise SpecError(
+                f"the pool holds {pool_bytes} bytes, less than one chunk row "
+                f"({self.row_bytes} bytes)"
+            )
+        return num_chunks
+
     # -- jobs -----------------------------------------------------------------
 
     def plan(self, src: LoadStoreSpec, dst: LoadStoreSpec, num_chunks: int) -> TransferPlan:
