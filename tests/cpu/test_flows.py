@@ -385,6 +385,9 @@ class FlowsMachine(RuleBasedStateMachine):
             assert c.promote_reserved == c.promoted + c.promote_failed + c.promoting
             assert min(c.promoting, c.promote_no_room, c.cascade_dropped) >= 0
             assert 0 <= flows.reading(tier) <= c.cascade_pinned
+            # Exactly what the open tickets hold: nothing pinned or promoting once all is settled.
+            assert c.cascade_pinned == sum(len(t.keys) for t in self.writes if t.tier == tier)
+            assert c.promoting == sum(t.sources.count(tier) for t in self.promotions)
         assert flows.open_jobs == len(self.writes) + len(self.promotions)
 
     @invariant()

@@ -134,3 +134,15 @@ def test_a_reset_settles_what_is_out_and_fences_until_flushed() -> None:
     assert link.lookup(KEYS[3], CONTEXT) is LookupResult.RETRY
     link.landed(land(manager, 4), CONTEXT)
     assert len(tier.stores) == 2
+
+
+@pytest.mark.parametrize("name", ["CascadeMetrics", "SecondaryLink"])
+def test_the_old_module_path_warns_and_gives_the_links_names(name: str) -> None:
+    import tiering.integrations.vllm.cascade as old
+    import tiering.integrations.vllm.link as link
+
+    with pytest.warns(
+        DeprecationWarning,
+        match=f"vllm.cascade.{name} is deprecated; use tiering.integrations.vllm.link.{name}",
+    ):
+        assert getattr(old, name) is getattr(link, name)

@@ -57,7 +57,9 @@ class CascadeLimits(msgspec.Struct, frozen=True, kw_only=True):
     cascade_chunks: int | None = None
 
     def __post_init__(self) -> None:
-        check_int("cascade_queue", self.cascade_queue, minimum=1)
+        # Held as an int: anyio's stream refuses numpy's integers, which the check takes.
+        queue = check_int("cascade_queue", self.cascade_queue, minimum=1)
+        msgspec.structs.force_setattr(self, "cascade_queue", queue)
 
     def max_pinned(self, capacity: int) -> int:
         """The pins allowed in a CPU tier of ``capacity`` chunks (`ConfigError` if out of range)."""

@@ -91,18 +91,18 @@ _LOSSES = (CascadeMetrics.DROPPED, CascadeMetrics.FAILED, CascadeMetrics.PROMOTE
 
 
 class SecondaryLink:
-    """The CPU tier ``tier`` of ``capacity`` chunks over the secondary tier ``tier_factory``
-    builds (None until it can be built)."""
+    """The CPU tier ``cpu`` over the secondary tier ``tier_factory`` builds (None until it
+    can be built): "tier" here is always the secondary tier."""
 
     def __init__(
         self,
-        tier: CPUOffloadingManager,
+        cpu: CPUOffloadingManager,
         tier_factory: Callable[[], SecondaryTierManager | None],
     ) -> None:
-        self._tier = tier
+        self._cpu = cpu
         self._factory: Callable[[], SecondaryTierManager | None] | None = tier_factory
         self.secondary: SecondaryTierManager | None = None
-        self.flows = Flows(tier, ("secondary",), pin_bound=default_pin_bound(tier.capacity))
+        self.flows = Flows(cpu, ("secondary",), pin_bound=default_pin_bound(cpu.capacity))
         self.flows.open_intake()
         self._writes: dict[int, WriteTicket] = {}  # vLLM's job id -> the write-through
         self._promotions: dict[int, PromotionTicket] = {}  # vLLM's job id -> the promotion
@@ -185,7 +185,7 @@ class SecondaryLink:
     def _promote(
         self, secondary: SecondaryTierManager, keys: list[OffloadKey], req_context: ReqContext
     ) -> None:
-        wanted = [key for key in keys if not self._tier.holds(key)]
+        wanted = [key for key in keys if not self._cpu.holds(key)]
         self._promoting.difference_update(set(keys) - set(wanted))
         if not wanted:
             return
