@@ -300,6 +300,37 @@ async def test_a_hung_disk_holds_at_most_max_concurrency_threads(
         assert tier.statistics().state == "up"
 
 
+async def test_a_probe_that_ends_once_the_tier_is_closing_changes_nothing(
+    tmp_path: Path, namespace: RemoteNamespace, chunks: Any
+) -> None:
+    keys = chunks.keys(1)
+    tier = disk(tmp_path / "disk", namespace, 4)
+    assert await tier.write(items(keys, tier.row_bytes)) == 1
+    tier.timeout_s = SHORT_S
+    tier._files.answering.clear()  # the disk stops answering once: the tier goes down
+    try:
+        assert await tier.contains(keys) == [False]
+    finally:
+        tier._files.answering.set()
+    tier.timeout_s = 10.0
+    assert tier.statistics().state == "down"
+    due(tier)
+    tier._files.answering.clear()  # the probe's thread waits for the disk
+    try:
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(tier.contains, keys)  # the probe
+                await anyio.wait_all_tasks_blocked()
+                tg.start_soon(tier.aclose)  # closing: it waits for the probe
+                await anyio.wait_all_tasks_blocked()
+                tier._files.answering.set()  # the probe ends, its tier closing
+    finally:
+        tier._files.answering.set()
+    s = tier.statistics()
+    # Closed, and the probe that ended meanwhile brought nothing back up (review 27).
+    assert (s.state, s.reconnects_total) == ("closed", 0)
+
+
 # -- what a write leaves on disk -------------------------------------------------------------
 
 

@@ -162,6 +162,30 @@ async def test_a_cancelled_waiter_gives_its_place_back() -> None:
     assert called.value == 3
 
 
+async def test_a_call_cancelled_while_its_thread_runs_leaves_the_place_to_that_thread() -> None:
+    hang = Hang()
+    calls = ThreadCalls(1, 5.0)
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(calls.call, hang)
+            with anyio.fail_after(5):
+                while hang.inside < 1:
+                    await anyio.sleep(0.001)
+            tg.cancel_scope.cancel()  # the caller gives up (anyio's limiter token goes back)
+        assert calls.in_flight == 0
+        # The thread still runs: it keeps its place, and no second thread starts.
+        calls.timeout_s = 0.05
+        assert (await calls.call(lambda: 1)).outcome is CallOutcome.BUSY
+        assert hang.entered == 1
+    finally:
+        hang.release.set()
+    calls.timeout_s = 5.0
+    with anyio.fail_after(5):
+        while (called := await calls.call(lambda: 2)).outcome is not CallOutcome.DONE:
+            pass
+    assert called.value == 2
+
+
 async def test_cancelled_before_the_thread_began_frees_the_place_at_once() -> None:
     calls = ThreadCalls(1, 5.0)
     with anyio.CancelScope() as scope:

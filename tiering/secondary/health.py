@@ -127,6 +127,8 @@ class HealthGate:
         """The call reached the store. True when that brought the tier back up."""
         if admission is Admission.PROBE:
             self._probing = False
+        if self._life.closed:  # a call that ends once its tier is closing changes nothing
+            return False
         if self._state is TierState.DOWN:
             self._state = TierState.UP
             self.failures = 0

@@ -26,9 +26,11 @@ Design note: a write, in two steps.
 
 Invariants (checked by the tests): ``used`` is the sum of the sizes; ``used``
 plus what writes reserve stays within the effective capacity (the file system
-may lower it below ``used`` until the next write evicts); no key being read or
-written is ever a victim; once nothing is in flight nothing is reserved,
-reading, writing or unlinking.
+may lower it below ``used`` until the next write evicts; so may a value lost
+behind the tier's back while a write of it is in flight: that write, planned
+while the value was held, reserved nothing, and indexes it again when it
+lands); no key being read or written is ever a victim; once nothing is in
+flight nothing is reserved, reading, writing or unlinking.
 """
 
 from __future__ import annotations

@@ -163,9 +163,11 @@ class DiskShell(SecondaryTier):
                 # The scan deletes half-written files: not once the folder is free for another.
                 await self._opening.wait_scan(self.timeout_s)
         finally:
-            self._files.unlock()
-            self._files.close_folder()
-            self._life.end_close()
+            try:
+                self._files.unlock()
+                self._files.close_folder()
+            finally:
+                self._life.end_close()  # a later aclose never waits for a close that failed
 
     def discard(self) -> None:
         """Release the folder now, for a tier that was built and will never be used."""
