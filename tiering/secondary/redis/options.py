@@ -10,9 +10,10 @@ one `ConfigError` line naming the option, the value and what would be right
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
+from msgspec import Meta
 
 from tiering._decode import PositiveInt, decode
 from tiering.errors import ConfigError
@@ -23,16 +24,21 @@ from tiering.secondary.checksum import Checksum
 __all__ = ["RedisOptions", "decode_options"]
 
 
+#: A number of seconds, kept as given (an ``int`` stays one): messages show it so,
+#: "no answer within 2 s", as they did before the options were decoded.
+_Seconds = Annotated[int | float, Meta(description="a number of seconds")]
+
+
 class RedisOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """A `RedisTier`'s keyword options (what each means: `RedisTier`)."""
 
-    ttl_s: float | None = None
-    timeout_s: float = 2.0
-    connect_timeout_s: float | None = None
+    ttl_s: _Seconds | None = None
+    timeout_s: _Seconds = 2.0
+    connect_timeout_s: _Seconds | None = None
     cluster: bool | None = None
     max_batch: PositiveInt = 1024
     max_concurrency: PositiveInt = 8
-    backoff_s: tuple[float, float] = (0.05, 5.0)  # its order: `HealthGate` checks it
+    backoff_s: tuple[_Seconds, _Seconds] = (0.05, 5.0)  # its order: `HealthGate` checks it
     socket_read_size: PositiveInt = 256 << 10
     locality: Locality = Locality.REMOTE
     checksum: Checksum | str = Checksum.XXH3  # or its name, in any case: `checksum_kind`
