@@ -1,4 +1,4 @@
-"""The Redis tier shows numbers as they were given: in its errors, timeouts and option checks."""
+"""Numbers as they were given (1, not 1.0) in the Redis tier's errors and timeouts, and what a
 closed tier's gates learn. No Redis server: the tier's I/O is replaced (white box)."""
 
 from __future__ import annotations
