@@ -124,7 +124,6 @@ class RedisTier(SecondaryTier):
         self.options: RedisOptions = settings
         self.codec = ChunkCodec(namespace, settings.checksum_kind, settings.auth_key)
         self.locality = settings.locality
-        self.timeout_s = settings.timeout_s
         self._life = AsyncLifecycle(f"the Redis tier at {self.url}", opened=True)
         self._health = HealthGate(settings.backoff_s, life=self._life)
         # Writes the server refuses (OOM under noeviction, READONLY, MISCONF)
@@ -159,6 +158,11 @@ class RedisTier(SecondaryTier):
             await tier.aclose()
             raise
         return tier
+
+    @property
+    def timeout_s(self) -> float:
+        """The most seconds a call (and each socket operation) takes: the options' ``timeout_s``."""
+        return self._calls.timeout_s
 
     @property
     def cluster(self) -> bool | None:
