@@ -282,15 +282,22 @@ class DiskTier(DiskShell):
 
     # -- the contract ---------------------------------------------------------------------
 
+    async def _scanned(self, count: int) -> bool:
+        """Whether a lookup or read of ``count`` values goes on: some asked for, and the
+        folder scanned (else counted busy). Always a checkpoint."""
+        if not count:
+            await anyio.lowlevel.checkpoint()
+            return False
+        if not await self._ensure_open():
+            self._counters.busy_total += 1  # still scanning the folder
+            return False
+        return True
+
     async def contains(self, keys: Sequence[OffloadKey]) -> list[bool]:
         self._life.check_open()
         c = self._counters
         c.contains_calls += 1
-        if not keys:
-            await anyio.lowlevel.checkpoint()
-            return []
-        if not await self._ensure_open():
-            c.busy_total += 1  # still scanning the folder
+        if not await self._scanned(len(keys)):
             return c.found([False] * len(keys))
         ok, _ = await self._run(lambda guard: self._files.check_folder())
         if not ok:
@@ -329,11 +336,7 @@ class DiskTier(DiskShell):
         views = [(key, writable_row(buffer, self.row_bytes)) for key, buffer in items]
         c = self._counters
         c.read_calls += 1
-        if not views:
-            await anyio.lowlevel.checkpoint()
-            return []
-        if not await self._ensure_open():
-            c.busy_total += 1  # still scanning the folder
+        if not await self._scanned(len(views)):
             c.read_misses_total += len(views)
             return [False] * len(views)
         index = self._index
