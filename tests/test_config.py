@@ -742,3 +742,13 @@ def test_a_bad_new_field_in_a_file_names_its_path(tmp_path: Path) -> None:
     message = str(info.value)
     assert "data_parallel_index must be in [0, data_parallel_size=1), got 1" in message
     assert "`$.parallel`" in message
+
+
+def test_a_numpy_integer_is_refused_in_a_field_as_before() -> None:
+    # A record keeps the value it is given, and msgspec cannot encode numpy's integers
+    # (RemoteNamespace's digest would fail later): refused here, with the field's name.
+    np = pytest.importorskip("numpy")
+    with pytest.raises(ConfigError, match=r"blocks_per_chunk must be an integer .*np\.int64"):
+        OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=np.int64(4))
+    with pytest.raises(ConfigError, match=r"tokens_per_block must be an integer"):
+        OffloadingGroupConfig(tokens_per_block=np.int64(16), layer_names=("a",), group_id=0)

@@ -205,3 +205,58 @@ def test_any_input_decodes_or_is_one_config_error_line(obj: object) -> None:
         message = str(exc)
     assert "\n" not in message
     assert not message or message.startswith(WHERE)
+
+
+def test_numpy_numbers_are_taken_as_pythons() -> None:
+    # A number a program computed with numpy was always taken (msgspec alone takes none).
+    np = pytest.importorskip("numpy")
+    entry = decode(
+        Entry, {"url": "u", "max_store_jobs": np.int64(3), "timeout_s": np.float64(1.5),
+                "backoff_s": [np.float32(0.5), np.int32(2)]},
+    )  # fmt: skip
+    assert (entry.max_store_jobs, entry.timeout_s, entry.backoff_s) == (3, 1.5, (0.5, 2.0))
+    assert type(entry.max_store_jobs) is int
+    assert type(entry.timeout_s) is float
+    assert "got 0" in refusal({"tiers": [{"url": "u", "max_store_jobs": np.int64(0)}]})
+    with pytest.raises(
+        ConfigError, match=r"must be a positive integer, got np\.True_ of type bool"
+    ):
+        decode(Entry, {"url": "u", "max_store_jobs": np.True_})  # numpy's bool is no number
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["redis://:pa/ss@h/0", "redis://user:p@ss@h/0", "rediss://u:a b@h:6380", "redis://s3:cr#et@h"],
+)
+def test_a_urls_password_is_never_shown_whatever_it_holds(url: str) -> None:
+    password = url.partition("://")[2].rpartition("@")[0].partition(":")[2]
+    for text in (
+        shown(url),
+        shown({"tiers": {"url": url}}),
+        refusal({"tiers": {"url": url}}),  # an entry where the list belongs
+        refusal({"tiers": [{"url": url, "max_store_jobs": [url]}]}),
+    ):
+        assert password not in text, text
+
+
+def test_a_secret_keys_value_is_hidden_inside_what_is_shown() -> None:
+    text = refusal({"tiers": {"password": "hunter2", "token": ["t0k3n"]}})
+    assert "hunter2" not in text
+    assert "t0k3n" not in text
+    assert "'password': ***" in text
+    # and under a secret key anywhere up the path
+    with pytest.raises(ConfigError) as info:
+        decode(dict[str, dict[str, int]], {"credentials": {"user": "s3cret"}}, where="x")
+    assert "s3cret" not in str(info.value)
+
+
+def test_json_paths_hide_a_secret_too() -> None:
+    class File(msgspec.Struct, forbid_unknown_fields=True):
+        password: int = 0
+        extra: dict[str, Any] = {}
+
+    for obj in ({"password": "hunter2"}, {"extra": [{"url": "redis://:pa/ss@h/0"}]}):
+        with pytest.raises(ConfigError) as info:
+            decode(File, obj, json_paths=True)
+        assert "hunter2" not in str(info.value)
+        assert "pa/ss" not in str(info.value)

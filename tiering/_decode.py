@@ -21,8 +21,9 @@ drawn from the Struct's type and its ``Meta`` constraints ("an integer >= 1",
 "one of 'xxh3', 'ml64'"), or from ``Meta(description=...)`` where a field
 says it in its own words. An unknown key is named with the close known key it
 may misspell (``difflib``) and the keys that are known. A value under a key
-named like a secret (password, secret, token, key) is shown as ``***``, and
-the password of a URL never appears.
+named like a secret (password, secret, token, key), at any depth of what is
+shown, is ``***``, and the password of a URL never appears. numpy's numbers
+are taken for Python's (msgspec alone takes neither).
 
 Checks that span fields (one value below another) stay in the Struct's
 ``__post_init__``, which runs on decoding too; their `ConfigError` passes
@@ -32,6 +33,8 @@ through `decode` with ``context`` in front.
 from __future__ import annotations
 
 import difflib
+import numbers
+import operator
 import re
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, TypeVar
@@ -40,7 +43,7 @@ import msgspec
 from msgspec import Meta
 from msgspec import inspect as mi
 
-from tiering._checks import integer_text
+from tiering._checks import integer_text, is_int
 from tiering.errors import ConfigError
 
 __all__ = [
@@ -73,7 +76,13 @@ NonEmptyStr = Annotated[str, Meta(min_length=1)]
 
 #: Words that make a key's value a secret: never shown in an error.
 _SECRET_WORDS = frozenset({"password", "passwd", "pw", "secret", "token", "key", "credentials"})
-_URL_PASSWORD = re.compile(r"(://[^:/@\s]*:)[^@/\s]*@")
+#: A URL's userinfo: from ``://`` to the last ``@`` before a space, as
+#: `tiering.secondary.redis.redact_url` reads it (a password may hold an unencoded
+#: ``/``, ``@`` or ``:``).
+_URL_USERINFO = re.compile(r"://(\S*)@")
+#: In a string of its own, the userinfo runs to the last ``@`` (spaces too).
+_URL_USERINFO_WHOLE = re.compile(r"://(.*)@", re.DOTALL)
+_PLAIN_USER = re.compile(r"[A-Za-z0-9._~-]*")
 _AT = re.compile(r"^(?P<text>.*?)(?: - at `(?P<key>key` in `)?\$(?P<path>[^`]*)`)?$", re.DOTALL)
 _STEP = re.compile(r"\.([^.\[]+)|\[(\d+)\]|\[(\.\.\.)\]")
 
@@ -102,6 +111,7 @@ def decode(
     (``Expected `int`, got `str` - at `$.cache.blocks_per_chunk` (value: '4')``): for a
     file, whose reader thinks in its JSON or TOML tables.
     """
+    obj = _plain(obj)
     try:
         return msgspec.convert(obj, type_, strict=strict)
     except msgspec.ValidationError as exc:
@@ -124,8 +134,9 @@ def problem_text(
     info: Any = mi.type_info(type_)
     value: object = obj
     location = where
-    name = ""
+    name = secret = ""  # the key the value is under; the first secret key of the path
     for field, index, any_key in _STEP.findall(match["path"] or ""):
+        secret = secret or (name if _is_secret(name) else "")
         info = _unwrap(info, want_index=bool(index))
         if any_key:  # a mapping's value: msgspec does not say which; find it
             key, value = _failing_item(value, info.value_type)
@@ -154,7 +165,8 @@ def problem_text(
         key, _ = _failing_item(value, key_type, keys=True)
         return f"{location} has the key {key!r}; every key must be {expected_text(key_type)}"
     typed = "got `" in text  # the value is of a wrong type: say which
-    return f"{location} must be {expected_text(info)}, got {shown(value, name, typed=typed)}"
+    shown_value = shown(value, secret or name, typed=typed)
+    return f"{location} must be {expected_text(info)}, got {shown_value}"
 
 
 def _value_text(obj: object, message: str) -> str:
@@ -164,14 +176,15 @@ def _value_text(obj: object, message: str) -> str:
     if path is None or path["key"] or not path["path"]:
         return ""
     for field, index, _any in _STEP.findall(path["path"]):
+        if field and _is_secret(field):
+            return " (value: ***)"
         if field and isinstance(value, Mapping) and field in value:
             value = value[field]
         elif index and isinstance(value, Sequence) and int(index) < len(value):
             value = value[int(index)]
         else:
             return ""
-    text = _URL_PASSWORD.sub(r"\1***@", repr(value))
-    return f" (value: {text if len(text) <= 80 else text[:77] + '...'})"
+    return f" (value: {_repr(value)})"
 
 
 def expected_text(info: Any) -> str:
@@ -230,18 +243,81 @@ def expected_text(info: Any) -> str:
 
 def shown(value: object, name: str = "", *, typed: bool = False) -> str:
     """``value`` as an error shows it: its repr (cut at 80 characters), ``***`` under a key
-    ``name`` that is a secret's, a URL's password replaced by ``***``, and the type where
-    the repr hides it (``'4' of type str``) or ``typed`` asks (``64.0 of type float``)."""
-    words = set(re.split(r"[^a-z]+", name.lower()))
-    if words & _SECRET_WORDS:
+    ``name`` that is a secret's, and inside it (at any depth) a URL's userinfo and the
+    value of a key named like a secret replaced by ``***``; the type where the repr hides
+    it (``'4' of type str``) or ``typed`` asks (``64.0 of type float``)."""
+    if _is_secret(name):
         return "***"
-    text = _URL_PASSWORD.sub(r"\1***@", repr(value))
-    if len(text) > 80:
-        text = text[:77] + "..."
+    text = _repr(value)
     plain = (isinstance(value, (int, float)) and not isinstance(value, bool)) or value is None
     if plain and not typed:
         return text
     return f"{text} of type {type(value).__name__}"
+
+
+def _is_secret(name: str) -> bool:
+    """Whether a value under the key ``name`` is a secret (a word of it is one of
+    `_SECRET_WORDS`: ``password_file``, ``auth_token``, not ``keys_total``)."""
+    return bool(set(re.split(r"[^a-z]+", name.lower())) & _SECRET_WORDS)
+
+
+class _Hidden:
+    def __repr__(self) -> str:
+        return "***"
+
+
+_HIDDEN = _Hidden()
+
+
+def _repr(value: object) -> str:
+    """``value``'s repr with no secret in it (`_redacted`), cut at 80 characters."""
+    text = _URL_USERINFO.sub(_hide_userinfo, repr(_redacted(value)))
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _redacted(value: object, depth: int = 0) -> object:
+    """``value`` with its secrets replaced: a URL's userinfo, and in a mapping the value
+    of each key named like a secret, at any depth (a tier entry given where a list of
+    them belongs holds its URL)."""
+    if isinstance(value, str):
+        return _URL_USERINFO_WHOLE.sub(_hide_userinfo, value) if "://" in value else value
+    if depth > 16:
+        return _HIDDEN
+    if isinstance(value, Mapping):
+        return {
+            key: _HIDDEN if isinstance(key, str) and _is_secret(key) else _redacted(item, depth + 1)
+            for key, item in value.items()
+        }
+    if isinstance(value, (list, tuple)):
+        items = [_redacted(item, depth + 1) for item in value]
+        return items if isinstance(value, list) else tuple(items)
+    return value
+
+
+def _hide_userinfo(match: re.Match[str]) -> str:
+    """``://user:***@`` for a plain user name before a ``:``, else ``://***@``."""
+    user, colon, _ = match[1].partition(":")
+    return f"://{user}:***@" if colon and _PLAIN_USER.fullmatch(user) else "://***@"
+
+
+def _plain(obj: object) -> object:
+    """``obj`` with numpy's numbers as Python's ``int`` and ``float``, in lists, tuples and
+    mappings at any depth: msgspec takes only Python's, and a number a program computed
+    with numpy was always taken (`tiering._checks.is_int`)."""
+    if isinstance(obj, (str, bytes, bool)) or obj is None:
+        return obj
+    if isinstance(obj, Mapping):
+        return {key: _plain(item) for key, item in obj.items()}
+    if isinstance(obj, list) or type(obj) is tuple:
+        items = [_plain(item) for item in obj]
+        return items if isinstance(obj, list) else tuple(items)
+    if isinstance(obj, int) or type(obj) is float:  # msgspec takes an int's subclasses
+        return obj
+    if is_int(obj):
+        return operator.index(obj)  # type: ignore[arg-type]
+    if isinstance(obj, float) or (hasattr(obj, "dtype") and isinstance(obj, numbers.Real)):
+        return float(obj)
+    return obj
 
 
 def closest_key(key: str, known: Sequence[str], *, cutoff: float = 0.75) -> str | None:

@@ -39,7 +39,7 @@ from typing import Any
 import msgspec
 
 from tiering._checks import is_int
-from tiering._decode import closest_key, decode
+from tiering._decode import closest_key, decode, shown
 from tiering.errors import ConfigError
 
 __all__ = [
@@ -153,12 +153,12 @@ def _check_int(
         if value is None:
             return
         meaning = f"{meaning}; None = {none}"
-    if not is_int(value):
+    if not (is_int(value) and isinstance(value, int)):  # a field keeps it: numpy's won't encode
         raise ConfigError(
             f"{owner}.{name} must be an integer ({meaning}), got {value!r} "
             f"of type {type(value).__name__}"
         )
-    if value < minimum:  # type: ignore[operator]
+    if value < minimum:
         raise ConfigError(f"{owner}.{name} must be >= {minimum} ({meaning}), got {value}")
 
 
@@ -444,7 +444,7 @@ class OffloadingConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
             msgspec.structs.force_setattr(self, "extra_config", extra)
         if not isinstance(extra, dict) or not all(isinstance(key, str) for key in extra):
             raise ConfigError(
-                f"{owner}.extra_config must be a mapping with string keys, got {extra!r}"
+                f"{owner}.extra_config must be a mapping with string keys, got {shown(extra)}"
             )
         _check_extra_keys(owner, extra)
         _check_extra_values(owner, extra)

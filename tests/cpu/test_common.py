@@ -159,3 +159,21 @@ def test_cpu_load_store_spec_names_chunks() -> None:
     assert spec.chunk_ids is spec.block_ids
     assert spec.chunk_ids.dtype == np.int64
     assert len(spec) == 3
+
+
+def test_a_numpy_integer_is_refused_as_before() -> None:
+    # The record keeps the value, and msgspec cannot encode numpy's integers.
+    with pytest.raises(CapacityError, match=r"cpu_num_chunks must be a non-negative integer"):
+        CPUOffloadingInfo(
+            cpu_num_chunks=np.int64(5),
+            cpu_blocks_per_chunk=2,
+            cpu_kv_cache_size_bytes=None,
+            cpu_kv_cache_size_tokens=None,
+        )
+    with pytest.raises(ConfigError, match=r"cpu_blocks_per_chunk must be an integer >= 1"):
+        CPUOffloadingInfo(
+            cpu_num_chunks=5,
+            cpu_blocks_per_chunk=np.int64(2),
+            cpu_kv_cache_size_bytes=None,
+            cpu_kv_cache_size_tokens=None,
+        )

@@ -103,3 +103,10 @@ def test_the_replay_endpoint_needs_an_address_of_its_own(
 def test_endpoints_that_can_both_be_used_are_accepted(endpoint: str, replay_endpoint: str) -> None:
     config = KVEventsConfig(endpoint=endpoint, replay_endpoint=replay_endpoint)
     assert (config.endpoint, config.replay_endpoint) == (endpoint, replay_endpoint)
+
+
+def test_a_numpy_integer_is_refused_as_before() -> None:
+    # The record keeps the value, and msgspec cannot encode numpy's integers.
+    np = pytest.importorskip("numpy")
+    with pytest.raises(ConfigError, match=r"KVEventsConfig\.buffer_steps must be an integer"):
+        KVEventsConfig(buffer_steps=np.int64(5))

@@ -1050,3 +1050,28 @@ def test_from_vllm_refuses_what_tiering_cannot_take(mutate: Any, pattern: str) -
     mutate(vllm_config)
     with pytest.raises(ConfigError, match=pattern):
         from_vllm_offloading_config(vllm_config)
+
+
+def test_numpy_integers_in_the_extra_config_are_taken() -> None:
+    # vLLM's extra config is a dict a program may fill; numpy's integers were always taken.
+    config = build_offloading_config(
+        make_vllm_config(extra={"block_size": np.int32(128)}), llama_kv_cache_config()
+    )
+    assert config.cache.blocks_per_chunk == 8
+
+
+def test_a_bad_extra_config_is_shown_without_its_secrets() -> None:
+    extra: dict[Any, Any] = {1: "x", "secondary_tiers": [{"url": "redis://:hunter2@h/0"}]}
+    extra["secondary_tiers"][0]["password"] = "pw2"
+    with pytest.raises(ConfigError) as info:
+        build_offloading_config(make_vllm_config(extra=extra), llama_kv_cache_config())
+    assert "must be a mapping with string keys" in str(info.value)
+    assert "hunter2" not in str(info.value)
+    assert "pw2" not in str(info.value)
+
+
+def test_a_chunk_key_of_the_wrong_type_is_named_as_before() -> None:
+    with pytest.raises(ConfigError, match=r"^kv_connector_extra_config\['block_size'\] must be an"):
+        build_offloading_config(
+            make_vllm_config(extra={"block_size": 64.0}), llama_kv_cache_config()
+        )

@@ -68,3 +68,26 @@ def test_the_metrics_keys(keys: dict[str, Any], port: int | None, host: str) -> 
 def test_a_bad_metrics_port() -> None:
     with pytest.raises(ConfigError, match=r"^kv_connector_extra_config\['metrics_port'\] must "):
         metrics_extra({"metrics_port": True})
+
+
+def test_numpy_numbers_are_taken_as_before() -> None:
+    np = pytest.importorskip("numpy")
+    options = redis_options(
+        "redis", {"url": "redis://h/0", "timeout_s": np.float64(1.5), "ttl_s": np.float64(60)}
+    )
+    assert options.redis["timeout_s"] == 1.5
+    assert type(options.redis["timeout_s"]) is float
+    assert options.redis["ttl_s"] == 60.0
+
+
+def test_metrics_host_is_read_only_with_a_port() -> None:
+    # As before: without a metrics_port no server starts, and metrics_host is not read.
+    assert metrics_extra({"metrics_host": ""}).metrics_port is None
+    with pytest.raises(ConfigError, match=r"\['metrics_host'\] must be a host address"):
+        metrics_extra({"metrics_port": 0, "metrics_host": ""})
+
+
+def test_a_url_of_another_type_is_shown_once_and_without_its_secrets() -> None:
+    message = refusal(url={"password": "hunter2"})
+    assert message.endswith("got {'password': ***} of type dict")
+    assert refusal(url=5).endswith("got 5 of type int")

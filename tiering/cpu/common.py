@@ -45,11 +45,11 @@ def _check_count(name: str, value: object, *, optional: bool = False) -> None:
     """Raise a `CapacityError` unless ``value`` is a non-negative int (or None if optional)."""
     if optional and value is None:
         return
-    if not is_int(value):
+    if not (is_int(value) and isinstance(value, int)):  # a field keeps it: numpy's won't encode
         raise CapacityError(
             f"{name} must be a non-negative integer, got {value!r} of type {type(value).__name__}"
         )
-    if value < 0:  # type: ignore[operator]
+    if value < 0:
         raise CapacityError(f"{name} must be >= 0, got {value}")
 
 
@@ -101,7 +101,7 @@ class CPUOffloadingInfo(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     def __post_init__(self) -> None:
         _check_count("CPUOffloadingInfo.cpu_num_chunks", self.cpu_num_chunks)
         blocks = self.cpu_blocks_per_chunk
-        if not is_int(blocks) or blocks < 1:
+        if not (is_int(blocks) and isinstance(blocks, int)) or blocks < 1:
             raise ConfigError(
                 f"CPUOffloadingInfo.cpu_blocks_per_chunk must be an integer >= 1, got {blocks!r}"
             )

@@ -176,7 +176,8 @@ def _same_address(a: str, b: str) -> bool:
 
 
 def _check_count(name: str, value: object, minimum: int, meaning: str) -> None:
-    if not is_int(value) or value < minimum:  # type: ignore[operator]
+    # Python's int only: the field keeps it, and msgspec cannot encode numpy's.
+    if not (is_int(value) and isinstance(value, int)) or value < minimum:
         raise ConfigError(
             f"KVEventsConfig.{name} must be an integer >= {minimum} ({meaning}), got {value!r}"
         )

@@ -61,7 +61,7 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
-from tiering._decode import decode
+from tiering._decode import decode, shown
 from tiering.config import (
     OffloadingCacheConfig,
     OffloadingConfig,
@@ -382,7 +382,7 @@ def build_offloading_config(vllm_config: object, kv_cache_config: object) -> Off
     if not isinstance(extra, Mapping) or not all(isinstance(key, str) for key in extra):
         raise ConfigError(
             f"{transfer_path}.kv_connector_extra_config must be a mapping with string keys, "
-            f"got {extra!r}"
+            f"got {shown(extra)}"
         )
     engine_id = attr(transfer, transfer_path, "engine_id")
     if not isinstance(engine_id, str) or not engine_id:
@@ -430,7 +430,7 @@ def build_offloading_config(vllm_config: object, kv_cache_config: object) -> Off
                 "so that every group's block size aligns with the hash block size"
             )
 
-    keys = decode(_ExtraKeys, dict(extra), where=f"{transfer_path}.kv_connector_extra_config")
+    keys = decode(_ExtraKeys, dict(extra), where="kv_connector_extra_config")  # as _extra_int
     blocks_per_chunk = _blocks_per_chunk(keys, tokens_per_block)
     groups = tuple(
         OffloadingGroupConfig(

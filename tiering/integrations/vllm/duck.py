@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from tiering._checks import is_int
+from tiering._decode import shown
 from tiering.config import (
     OffloadingCacheConfig,
     OffloadingConfig,
@@ -120,7 +121,7 @@ def from_vllm_offloading_config(config: object) -> OffloadingConfig:
             raise ConfigError(f"vLLM's {where} cannot be taken: {exc}") from exc
     extra = attr(config, path, "extra_config")
     if not isinstance(extra, Mapping):
-        raise ConfigError(f"vLLM's {path}.extra_config must be a mapping, got {extra!r}")
+        raise ConfigError(f"vLLM's {path}.extra_config must be a mapping, got {shown(extra)}")
     model, model_path = attr(config, path, "model"), f"{path}.model"
     cache, cache_path = attr(config, path, "cache"), f"{path}.cache"
     parallel, parallel_path = attr(config, path, "parallel"), f"{path}.parallel"

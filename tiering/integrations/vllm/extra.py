@@ -158,7 +158,7 @@ def _url(where: str, keys: RedisEntry) -> tuple[str, bool]:
     in_entry = False
     if url_env is None:
         if not isinstance(url, str) or not url.startswith(("redis://", "rediss://")):
-            given = "no url" if url is None else f"{type(url).__name__} {shown(url)}"
+            given = "no url" if url is None else shown(url, typed=True)
             if isinstance(url, str):  # never a password
                 given = repr(redact_url(url))
             raise ConfigError(
@@ -191,8 +191,10 @@ class MetricsExtra(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def metrics_extra(extra: Mapping[str, Any]) -> MetricsExtra:
-    """The metrics keys of ``extra`` (vLLM's ``kv_connector_extra_config``), checked."""
-    keys = {key: extra[key] for key in ("metrics_port", "metrics_host") if key in extra}
+    """The metrics keys of ``extra`` (vLLM's ``kv_connector_extra_config``), checked;
+    ``metrics_host`` only with a ``metrics_port`` (without one it is not read)."""
+    names = ("metrics_port", "metrics_host") if extra.get("metrics_port") is not None else ()
+    keys = {key: extra[key] for key in names if key in extra}
     return decode(MetricsExtra, keys, where="kv_connector_extra_config")
 
 
