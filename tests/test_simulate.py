@@ -225,6 +225,40 @@ def test_no_policy_beats_the_optimum(workload: Callable[..., list[Request]]) -> 
             assert result.blocks == best.blocks
 
 
+def test_a_result_derives_its_rate_speed_and_tiers_from_its_counts() -> None:
+    # `SimulationResult.of`, public on a public class, as before `tiering.sim`.
+    from tiering.sim import SimulationResult
+
+    r = SimulationResult.of(
+        policy="lru",
+        capacity_tokens=1024,
+        capacity_chunks=2,
+        requests=3,
+        blocks=8,
+        hit_blocks=6,
+        store_failures=1,
+        evictions=4,
+        seconds=2.0,
+        disk_tokens=2048,
+        disk_capacity_chunks=4,
+        disk_hit_blocks=2,
+    )
+    assert (r.hit_rate, r.keys_per_s) == (0.75, 4.0)
+    assert r.hit_blocks_by_tier == {"cpu": 4, "disk": 2}
+    one = SimulationResult.of(
+        policy="lru",
+        capacity_tokens=1024,
+        capacity_chunks=2,
+        requests=0,
+        blocks=0,
+        hit_blocks=0,
+        store_failures=0,
+        evictions=0,
+        seconds=0.0,
+    )
+    assert (one.hit_rate, one.keys_per_s, one.hit_blocks_by_tier) == (0.0, 0.0, {"cpu": 0})
+
+
 def test_expand_policies() -> None:
     assert expand_policies(["all"]) == [*POLICY_NAMES, OPTIMAL]
     assert expand_policies(["lru", "all", "lru"]) == [*POLICY_NAMES, OPTIMAL]

@@ -176,6 +176,19 @@ def test_bad_disk_arguments_say_what_would_be_right(
     assert expected in str(info.value)
 
 
+def test_a_numpy_disk_capacity_is_taken_as_the_integer_it_holds() -> None:
+    # numpy's integers are integers (`tiering._checks.is_int`): the run is the int's,
+    # not a refusal of the disk tier's chunk count that the caller never gave.
+    import numpy as np
+
+    keys = requests_to_keys(chat_workload(200, seed=3))
+    want = simulate_keys(keys, capacity_tokens=20 * BLOCK, disk_tokens=200 * BLOCK)
+    got = simulate_keys(keys, capacity_tokens=20 * BLOCK, disk_tokens=np.int64(200 * BLOCK))
+    assert type(got.disk_tokens) is int
+    assert got.hit_blocks_by_tier == want.hit_blocks_by_tier
+    assert got.disk_capacity_chunks == want.disk_capacity_chunks == 200
+
+
 @pytest.mark.parametrize("policy", ["lru", "aslru"])
 async def test_the_engine_over_a_disk_tier_hits_by_tier_as_simulate_predicts(
     anyio_backend: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, policy: str

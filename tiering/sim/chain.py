@@ -16,7 +16,7 @@ Each request:
    written to the disk tier, the head of the batch when there is no room for
    all; a new chunk joins its policy, a rewrite of one it held is a use. A
    store of more chunks than the write-through may pin in the CPU tier at once
-   (half of it, `CascadeLimits`'s default) is not written: the engine drops it.
+   (half of it, `tiering.cpu.flows.default_pin_bound`) is not written: the engine drops it.
 
 Where it differs from the engine: here each write-through lands before the
 next request. The engine writes through in the background and does not wait:
@@ -34,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tiering._types import OffloadKey
+from tiering.cpu.flows import default_pin_bound
 from tiering.cpu.manager import CPUOffloadingManager
 from tiering.sim.one_tier import OneTier
 
@@ -57,7 +58,7 @@ class Chain(OneTier):
         super().__init__(cpu, policy=policy, capacity_tokens=capacity_tokens)
         self._disk = disk
         self._disk_tokens = disk_tokens
-        self._max_pinned = max(1, cpu.capacity // 2)  # CascadeLimits' default: half the tier
+        self._max_pinned = default_pin_bound(cpu.capacity)  # the engine's default bound
         self._disk_hit_blocks = self._writes_failed = self._writes_dropped = 0
 
     def __call__(self, keys: Sequence[OffloadKey]) -> int:
@@ -71,7 +72,7 @@ class Chain(OneTier):
 
     def _promote(self, keys: Sequence[OffloadKey]) -> int:
         """The request's hits, after reading the disk's leading run into the CPU tier
-        (as `SecondaryCascade.promote` and `_read` do)."""
+        (as `TierChain.promote` and `_read` do)."""
         cpu, disk = self._manager, self._disk
         holds = cpu.holds
         n = len(keys)

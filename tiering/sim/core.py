@@ -51,7 +51,7 @@ def _disk_manager(
         return None
     if not is_int(disk_tokens):
         raise CapacityError(f"disk_tokens must be a number of tokens or None, got {disk_tokens!r}")
-    num_chunks = capacity_chunks(disk_tokens, block_tokens, tier="disk")
+    num_chunks = capacity_chunks(int(disk_tokens), block_tokens, tier="disk")  # numpy's too
     name = policy if disk_policy is None else disk_policy
     if name not in POLICY_NAMES:
         raise ConfigError(
@@ -93,7 +93,11 @@ def simulate_keys(
     tiers = OneTier(manager, policy=policy, capacity_tokens=capacity_tokens)
     if disk is not None and disk_tokens is not None:
         tiers = Chain(
-            manager, disk, policy=policy, capacity_tokens=capacity_tokens, disk_tokens=disk_tokens
+            manager,
+            disk,
+            policy=policy,
+            capacity_tokens=capacity_tokens,
+            disk_tokens=int(disk_tokens),
         )
     return run_simulation(request_keys, tiers, progress)
 

@@ -71,6 +71,51 @@ class SimulationResult(msgspec.Struct, frozen=True, kw_only=True):
     disk_evictions: int = 0
     disk_writes_dropped: int = 0
 
+    @classmethod
+    def of(
+        cls,
+        *,
+        policy: str,
+        capacity_tokens: int,
+        capacity_chunks: int,
+        requests: int,
+        blocks: int,
+        hit_blocks: int,
+        store_failures: int,
+        evictions: int,
+        seconds: float,
+        disk_tokens: int | None = None,
+        disk_capacity_chunks: int = 0,
+        disk_hit_blocks: int = 0,
+        disk_writes_failed: int = 0,
+        disk_writes_dropped: int = 0,
+        disk_evictions: int = 0,
+    ) -> SimulationResult:
+        """A result, with the hit rate, the hits by tier and the speed derived from the
+        counts (``disk_hit_blocks`` of ``hit_blocks`` came from the disk tier)."""
+        by_tier = {"cpu": hit_blocks - disk_hit_blocks}
+        if disk_tokens is not None:
+            by_tier["disk"] = disk_hit_blocks
+        return cls(
+            policy=policy,
+            capacity_tokens=capacity_tokens,
+            capacity_chunks=capacity_chunks,
+            requests=requests,
+            blocks=blocks,
+            hit_blocks=hit_blocks,
+            hit_rate=hit_blocks / blocks if blocks else 0.0,
+            store_failures=store_failures,
+            evictions=evictions,
+            seconds=seconds,
+            keys_per_s=blocks / seconds if seconds > 0 else 0.0,
+            disk_tokens=disk_tokens,
+            disk_capacity_chunks=disk_capacity_chunks,
+            hit_blocks_by_tier=by_tier,
+            disk_writes_failed=disk_writes_failed,
+            disk_evictions=disk_evictions,
+            disk_writes_dropped=disk_writes_dropped,
+        )
+
 
 class Simulation(Protocol):
     """One run's tiers: called once per request, in order, it returns the request's
@@ -105,22 +150,15 @@ def run_simulation(
     if progress is not None:
         progress(total, total, hit_blocks, blocks)
     seconds = time.perf_counter() - start
-    counts = simulation.counts()
-    by_tier = {"cpu": hit_blocks - counts.get("disk_hit_blocks", 0)}
-    if "disk_tokens" in counts:
-        by_tier["disk"] = counts.pop("disk_hit_blocks")
-    return SimulationResult(
+    return SimulationResult.of(
         policy=simulation.policy,
         capacity_tokens=simulation.capacity_tokens,
         capacity_chunks=simulation.capacity_chunks,
         requests=total,
         blocks=blocks,
         hit_blocks=hit_blocks,
-        hit_rate=hit_blocks / blocks if blocks else 0.0,
         seconds=seconds,
-        keys_per_s=blocks / seconds if seconds > 0 else 0.0,
-        hit_blocks_by_tier=by_tier,
-        **counts,
+        **simulation.counts(),
     )
 
 
