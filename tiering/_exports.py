@@ -8,16 +8,18 @@ naming what replaces it, and returns that. Both are one call::
 
     def __getattr__(name: str) -> Any:
         return load(__name__, globals(), name, _LAZY, deprecated=_DEPRECATED)
+
+A module with old names only writes ``__getattr__ = deprecations(__name__, {...})``.
 """
 
 from __future__ import annotations
 
 import importlib
 import warnings
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
-__all__ = ["RESOURCE_STATE", "Deprecated", "load"]
+__all__ = ["RESOURCE_STATE", "Deprecated", "deprecations", "load"]
 
 #: An old name's replacement: ``(module, attribute, what to write instead)``.
 Deprecated = tuple[str, str, str]
@@ -48,3 +50,13 @@ def load(
     value = getattr(importlib.import_module(source_module), name)
     namespace[name] = value
     return value
+
+
+def deprecations(module: str, deprecated: Mapping[str, Deprecated]) -> Callable[[str], Any]:
+    """A module ``__getattr__`` (PEP 562 takes any callable) that keeps only ``deprecated``'s
+    old names; mypy does not see them, so no code of the library can use them."""
+
+    def __getattr__(name: str) -> Any:
+        return load(module, {}, name, deprecated=deprecated)  # no lazy names: nothing is kept
+
+    return __getattr__

@@ -7,8 +7,8 @@ Specs are validated when built, so a backend can trust their shapes.
 
 Chunk arithmetic over a GPU spec lives here too, in plain numbers (no torch):
 `chunk_block_ranges` and `select_chunks` cut a spec into its chunks, and
-`check_gpu_spec` is the one check of a GPU spec against a KV cache, used by the
-scheduler at submission and by the transfer layout before any byte moves.
+`check_gpu_spec` is the one check of a GPU spec against a KV cache (a `KVCacheShape`),
+used by the scheduler at submission and by the transfer layout before any byte moves.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Self, cast
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 
@@ -33,6 +34,7 @@ from tiering.errors import SpecError
 __all__ = [
     "BlockIDsLoadStoreSpec",
     "GPULoadStoreSpec",
+    "KVCacheShape",
     "LoadStoreSpec",
     "OffloadKey",
     "check_gpu_spec",
@@ -249,6 +251,36 @@ def select_chunks(
         parts.append(spec.block_ids[start:stop])
     block_ids = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
     return GPULoadStoreSpec(block_ids, sizes, firsts)
+
+
+class KVCacheShape(msgspec.Struct, frozen=True, kw_only=True):
+    """What a GPU spec is checked against: the KV cache has ``group_num_blocks[g]``
+    blocks of ``group_block_bytes[g]`` bytes in group ``g``, cut into chunks of
+    ``blocks_per_chunk`` blocks. The scheduler's planner and the transfer layout
+    each hold one, so both check a spec the same way."""
+
+    blocks_per_chunk: int
+    group_num_blocks: tuple[int, ...]
+    group_block_bytes: tuple[int, ...]
+
+    def check(
+        self, gpu: GPULoadStoreSpec, direction: TransferDirection, *, count: int, what: str
+    ) -> int:
+        """`check_gpu_spec` against this KV cache: refuse ``gpu``, or return its bytes."""
+        return check_gpu_spec(
+            gpu,
+            direction,
+            blocks_per_chunk=self.blocks_per_chunk,
+            group_num_blocks=self.group_num_blocks,
+            group_block_bytes=self.group_block_bytes,
+            count=count,
+            what=what,
+        )
+
+    def nbytes(self, gpu: GPULoadStoreSpec) -> int:
+        """The bytes of the blocks of ``gpu`` (one checked against this KV cache)."""
+        sizes = gpu.group_sizes.tolist()
+        return sum(n * b for n, b in zip(sizes, self.group_block_bytes, strict=False))
 
 
 def check_gpu_spec(

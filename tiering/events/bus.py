@@ -22,7 +22,7 @@ from __future__ import annotations
 import weakref
 from collections import deque
 from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import Protocol
 
 import anyio
 import anyio.lowlevel
@@ -31,7 +31,7 @@ from anyio.abc import AsyncResource
 
 from tiering._checks import is_int
 from tiering._closing import AsyncLifecycle
-from tiering._exports import RESOURCE_STATE, load
+from tiering._exports import RESOURCE_STATE, deprecations
 from tiering._state import Lifecycle, ResourceState
 from tiering.errors import ConfigError
 from tiering.events.schema import EventItem, Gap, KVEventBatch, SequencedBatch
@@ -277,6 +277,4 @@ class EventBus(AsyncResource):
         )
 
 
-def __getattr__(name: str) -> Any:
-    deprecated = {"BusState": RESOURCE_STATE}
-    return load(__name__, globals(), name, deprecated=deprecated)
+__getattr__ = deprecations(__name__, {"BusState": RESOURCE_STATE})

@@ -57,13 +57,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import Any, overload
+from typing import overload
 
 import msgspec
 import zmq
 
 from tiering._checks import check_real
-from tiering._exports import RESOURCE_STATE, load
+from tiering._exports import RESOURCE_STATE, deprecations
 from tiering._state import Lifecycle
 from tiering.errors import ConfigError
 from tiering.events.bus import SinkStatistics
@@ -434,6 +434,4 @@ class ZmqEventPublisher(SocketEnd):
         )
 
 
-def __getattr__(name: str) -> Any:
-    deprecated = {"PublisherState": RESOURCE_STATE}
-    return load(__name__, globals(), name, deprecated=deprecated)
+__getattr__ = deprecations(__name__, {"PublisherState": RESOURCE_STATE})

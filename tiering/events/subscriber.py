@@ -42,7 +42,6 @@ from __future__ import annotations
 import logging
 import socket
 from collections import deque
-from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -51,7 +50,7 @@ import zmq
 from anyio.abc import AsyncResource
 
 from tiering._checks import check_real, is_int
-from tiering._exports import RESOURCE_STATE, load
+from tiering._exports import RESOURCE_STATE, deprecations
 from tiering._state import Lifecycle
 from tiering.errors import ConfigError, EventSchemaError
 from tiering.events.config import (
@@ -407,6 +406,4 @@ class ZmqSubscriber(SocketEnd, AsyncResource):
         )
 
 
-def __getattr__(name: str) -> Any:
-    deprecated = {"SubscriberState": RESOURCE_STATE}
-    return load(__name__, globals(), name, deprecated=deprecated)
+__getattr__ = deprecations(__name__, {"SubscriberState": RESOURCE_STATE})

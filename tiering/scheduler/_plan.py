@@ -41,7 +41,7 @@ import msgspec
 from tiering._checks import check_int
 from tiering._types import OffloadKey, TransferDirection
 from tiering.cpu.common import CPULoadStoreSpec
-from tiering.specs import GPULoadStoreSpec, check_gpu_spec, chunk_block_ranges, select_chunks
+from tiering.specs import GPULoadStoreSpec, KVCacheShape, chunk_block_ranges, select_chunks
 
 __all__ = ["PlannedJob", "Planner", "SchedulerLimits", "Slice"]
 
@@ -120,8 +120,11 @@ class Planner(Generic[J]):
         self.limits = limits
         self._max_queued = limits.max_queued_jobs
         self._bpc = blocks_per_chunk
-        self._block_bytes = tuple(block_bytes)
-        self._group_num_blocks = tuple(group_num_blocks)
+        self._kv = KVCacheShape(
+            blocks_per_chunk=blocks_per_chunk,
+            group_num_blocks=tuple(group_num_blocks),
+            group_block_bytes=tuple(block_bytes),
+        )
         self._lanes: dict[TransferDirection, _Lane[J]] = {k: _Lane() for k in TransferDirection}
 
     # -- admission -------------------------------------------------------------
@@ -132,15 +135,7 @@ class Planner(Generic[J]):
 
     def check(self, kind: TransferDirection, gpu: GPULoadStoreSpec, num_keys: int) -> int:
         """Refuse a GPU spec that does not fit the KV cache or ``num_keys`` keys; its bytes."""
-        return check_gpu_spec(
-            gpu,
-            kind,
-            blocks_per_chunk=self._bpc,
-            group_num_blocks=self._group_num_blocks,
-            group_block_bytes=self._block_bytes,
-            count=num_keys,
-            what="key",
-        )
+        return self._kv.check(gpu, kind, count=num_keys, what="key")
 
     def store_slice(
         self,
@@ -161,7 +156,7 @@ class Planner(Generic[J]):
         for i, key in enumerate(keys):
             index.setdefault(key, i)
         sub = select_chunks(gpu, self._bpc, [index[key] for key in stored])
-        return Slice(gpu=sub, cpu=cpu, nbytes=self._bytes_of(sub))
+        return Slice(gpu=sub, cpu=cpu, nbytes=self._kv.nbytes(sub))
 
     def slice_load(self, job: J, gpu: GPULoadStoreSpec, cpu: CPULoadStoreSpec, nbytes: int) -> int:
         """Give ``job`` the slices of a load of ``gpu`` from ``cpu`` (co-indexed chunks).
@@ -179,15 +174,12 @@ class Planner(Generic[J]):
             span = range(lo, min(lo + step, count))
             sub = select_chunks(gpu, self._bpc, span, chunks=chunks)
             part = CPULoadStoreSpec.from_valid_ids(cpu.block_ids[lo : lo + step].tolist())
-            job.slices.append(Slice(gpu=sub, cpu=part, nbytes=self._bytes_of(sub)))
+            job.slices.append(Slice(gpu=sub, cpu=part, nbytes=self._kv.nbytes(sub)))
         return nbytes  # the slices cover the spec's chunks exactly
 
     def enqueue(self, job: J) -> None:
         """Queue ``job`` (its slices made) behind the others of its direction."""
         self._lanes[job.kind].queue.append(job)
-
-    def _bytes_of(self, gpu: GPULoadStoreSpec) -> int:
-        return sum(n * b for n, b in zip(gpu.group_sizes.tolist(), self._block_bytes, strict=False))
 
     # -- dispatch and completion ------------------------------------------------
 

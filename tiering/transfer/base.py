@@ -28,12 +28,12 @@ import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import msgspec
 
 from tiering._checks import check_int
-from tiering._exports import RESOURCE_STATE, load
+from tiering._exports import RESOURCE_STATE, deprecations
 from tiering._state import Lifecycle, ResourceState
 from tiering.errors import (
     CapacityError,
@@ -336,6 +336,4 @@ def failed_result(
     )
 
 
-def __getattr__(name: str) -> Any:
-    deprecated = {"BackendState": RESOURCE_STATE}
-    return load(__name__, globals(), name, deprecated=deprecated)
+__getattr__ = deprecations(__name__, {"BackendState": RESOURCE_STATE})

@@ -50,8 +50,8 @@ from tiering.specs import (
     SMALL_IDS,
     GPULoadStoreSpec,
     IntArray,
+    KVCacheShape,
     LoadStoreSpec,
-    check_gpu_spec,
     first_duplicate,
     id_bounds,
 )
@@ -198,6 +198,11 @@ class KVLayout:
         self.group_block_bytes: tuple[int, ...] = tuple(
             sum(self.tensors[i].page_bytes for i in idx) for idx in self.group_tensors
         )
+        self._kv = KVCacheShape(
+            blocks_per_chunk=blocks_per_chunk,
+            group_num_blocks=self.group_num_blocks,
+            group_block_bytes=self.group_block_bytes,
+        )
         self.word_bytes = _word_bytes(self.tensors)
         self.word_dtype = _WORD_DTYPES[self.word_bytes]
         unit = math.lcm(ROW_ALIGNMENT, blocks_per_chunk * self.word_bytes)
@@ -273,15 +278,7 @@ class KVLayout:
         cpu = cast(CPULoadStoreSpec, dst if store else src)
         chunk_ids = cpu.block_ids
         num_ids = len(chunk_ids)
-        nbytes = check_gpu_spec(
-            gpu,
-            direction,
-            blocks_per_chunk=self.blocks_per_chunk,
-            group_num_blocks=self.group_num_blocks,
-            group_block_bytes=self.group_block_bytes,
-            count=num_ids,
-            what="chunk id",
-        )
+        nbytes = self._kv.check(gpu, direction, count=num_ids, what="chunk id")
         if num_ids:
             low, high = id_bounds(chunk_ids)
             if low < 0:

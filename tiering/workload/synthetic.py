@@ -23,7 +23,7 @@ __all__ = [
     "prompt_request",
 ]
 
-#: The largest generated workload (about 1.7 s and a few hundred MB per 100,000).
+#: The largest generated workload: a bound on what a mistyped count can cost in memory and time.
 MAX_REQUESTS = 10_000_000
 
 #: How fast an answer is decoded (it delays the user's next turn).
