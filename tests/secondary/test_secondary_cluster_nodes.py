@@ -47,7 +47,7 @@ def connects(monkeypatch: pytest.MonkeyPatch) -> Counter[int]:
     original = Connection.connect
 
     def counting(self: Any) -> None:
-        counts[int(self.port)] += 1
+        counts[int(self.address.port)] += 1
         original(self)
 
     monkeypatch.setattr(Connection, "connect", counting)
@@ -63,7 +63,7 @@ def sends(monkeypatch: pytest.MonkeyPatch) -> Counter[int]:
     original = Connection.send
 
     def counting(self: Any, guard: Any, own: Any, row: Any = None) -> None:
-        counts[int(self.port)] += 1
+        counts[int(self.address.port)] += 1
         original(self, guard, own, row)
 
     monkeypatch.setattr(Connection, "send", counting)
@@ -385,14 +385,14 @@ def late_after_timeout(monkeypatch: pytest.MonkeyPatch) -> Callable[[int, str], 
                 time.sleep(1.0)  # past the call's deadline (0.3 s)
 
         def timing_out(self: Any, guard: Any, own: Any, row: Any = None) -> None:
-            if int(self.port) == port and not state["failed"]:
+            if int(self.address.port) == port and not state["failed"]:
                 state["failed"] = True
                 self.close()
                 raise redis.exceptions.TimeoutError(f"Timeout writing to 127.0.0.1:{port}")
             send(self, guard, own, row)
 
         def slow_reply(self: Any, guard: Any, sink: Any = None) -> Any:
-            if where == "live" and int(self.port) != port:
+            if where == "live" and int(self.address.port) != port:
                 slow()
             return reply(self, guard, sink)
 

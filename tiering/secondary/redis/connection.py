@@ -98,14 +98,6 @@ class Connection:
         return self._sock is not None
 
     @property
-    def tls(self) -> bool:
-        return self.address.tls
-
-    @property
-    def port(self) -> int:
-        return self.address.port
-
-    @property
     def reusable(self) -> bool:
         """Connected and in step: every reply asked for read, and nothing more."""
         return self._sock is not None and self._reader.unread == 0

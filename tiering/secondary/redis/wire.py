@@ -446,7 +446,7 @@ class RedisWire:
         def send(connection: Connection, positions: list[int]) -> None:
             # Streamed: each value is sent before the next is checksummed, so the
             # server takes one while this thread checksums the next.
-            if connection.tls:  # each frame built in a buffer, then sent
+            if connection.address.tls:  # each frame built in a buffer, then sent
                 for p in positions:
                     key, remote, payload = rows[p]
                     head, tail = frame(key, remote)
@@ -482,7 +482,7 @@ class RedisWire:
         def receive(connection: Connection, position: int) -> None:
             # Each value is checked and received as it arrives, while the next is in flight.
             key, _, out = rows[position]
-            sink = _ChunkSink(self.codec, key, out, direct=not connection.tls)
+            sink = _ChunkSink(self.codec, key, out, direct=not connection.address.tls)
             reply = connection.reply(guard, sink)
             if reply is ROUTED:
                 with guard.lock:
