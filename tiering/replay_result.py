@@ -14,6 +14,7 @@ import msgspec
 import numpy as np
 
 from tiering.scheduler import JobOutcome, JobResult
+from tiering.secondary.refusals import Unwritten
 
 if TYPE_CHECKING:
     from tiering.cpu.manager import ManagerStatistics
@@ -220,13 +221,14 @@ def _tier_report(
 
 def _writes_dropped(stats: SecondaryTierStatistics) -> dict[str, int]:
     """Write-throughs not written, by reason; they add up to every chunk not written."""
-    dropped = {"behind": stats.cascade_dropped} if stats.cascade_dropped else {}
+    dropped = {Unwritten.BEHIND.value: stats.cascade_dropped} if stats.cascade_dropped else {}
     dropped.update(stats.tier.write_errors_by_reason)
     # Handed to the tier but not written without the tier saying why: a write
     # cancelled at close, or by an error in the write-through task itself.
     other = stats.cascade_failed - stats.tier.write_errors_total
     if other > 0:
-        dropped["cancelled"] = dropped.get("cancelled", 0) + other
+        cancelled = Unwritten.CANCELLED.value
+        dropped[cancelled] = dropped.get(cancelled, 0) + other
     return dropped
 
 

@@ -134,6 +134,7 @@ def _tier_rows(r: ReplayResult, args: argparse.Namespace) -> list[tuple[str, str
 def _tier_summary(t: TierReport) -> str:
     """A tier's line: what it held and gave, and every chunk it did not take, by reason."""
     from tiering.replay import format_bytes
+    from tiering.secondary.refusals import Unwritten  # not at import: `tiering.cli` stays light
 
     text = ""
     if t.found_at_open is not None:
@@ -168,7 +169,7 @@ def _tier_summary(t: TierReport) -> str:
     text += f"; {t.errors:,} failed calls"
     if t.busy:
         text += f"; {t.busy:,} calls found every worker busy (overload: answered as misses)"
-    if t.writes_dropped_by_reason.get("behind"):
+    if t.writes_dropped_by_reason.get(Unwritten.BEHIND.value):
         text += "; the tier fell behind the stores (its write queue was full)"
     return text
 

@@ -85,6 +85,7 @@ from tiering.errors import ConfigError
 from tiering.integrations.vllm.extra import VLLM_ENTRY_KEYS, redis_options, remote_namespace
 from tiering.secondary.base import SecondaryStatistics, describe
 from tiering.secondary.redis import RedisTier
+from tiering.secondary.refusals import Unwritten
 
 __all__ = ["RedisSecondaryTier", "RedisSecondaryTierStatistics", "remote_namespace"]
 
@@ -93,8 +94,8 @@ logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 #: Why chunks handed to `submit_store` were not written, beside `RedisTier`'s reasons.
-DROPPED_QUEUE_FULL = "queue full"
-DROPPED_CLOSED = "closed"
+DROPPED_QUEUE_FULL = Unwritten.QUEUE_FULL.value
+DROPPED_CLOSED = Unwritten.CLOSED.value
 
 _PREFIX = "vllm:kv_offload_redis_"
 METRIC_FAILURES = _PREFIX + "failures"
