@@ -44,7 +44,7 @@ import anyio.to_thread
 
 from tiering._checks import check_int, check_real
 
-__all__ = ["CallOutcome", "Called", "ThreadCalls"]
+__all__ = ["CallOutcome", "Called", "ThreadCalls", "ThreadedTier"]
 
 T = TypeVar("T")
 
@@ -221,3 +221,24 @@ class ThreadCalls:
 
     def __repr__(self) -> str:
         return f"<ThreadCalls [{self.in_flight} calls; at most {self.max_threads} threads]>"
+
+
+class ThreadedTier:
+    """What a tier whose blocking I/O runs through its `ThreadCalls` (``_calls``) shows of
+    them: the disk tier's and the Redis tier's one view of the one bound."""
+
+    _calls: ThreadCalls
+
+    @property
+    def timeout_s(self) -> float:
+        """Seconds each call may take (its wait for a thread included)."""
+        return self._calls.timeout_s
+
+    @timeout_s.setter
+    def timeout_s(self, value: float) -> None:
+        self._calls.timeout_s = value
+
+    @property
+    def max_concurrency(self) -> int:
+        """Threads that may do this tier's I/O at once (hung ones included)."""
+        return self._calls.max_threads

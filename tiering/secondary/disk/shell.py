@@ -23,7 +23,7 @@ from tiering._closing import AsyncLifecycle
 from tiering._state import ResourceState
 from tiering._types import OffloadKey
 from tiering.errors import ConfigError
-from tiering.secondary._threads import CallOutcome, ThreadCalls
+from tiering.secondary._threads import CallOutcome, ThreadCalls, ThreadedTier
 from tiering.secondary.base import (
     Guard,
     SecondaryStatistics,
@@ -43,7 +43,7 @@ __all__ = ["DiskShell"]
 logger = logging.getLogger("tiering.secondary.disk")
 
 
-class DiskShell(SecondaryTier):
+class DiskShell(ThreadedTier, SecondaryTier):
     """The parts of a `DiskTier` every call uses (built by `DiskTier.__init__`)."""
 
     path: Path
@@ -65,20 +65,6 @@ class DiskShell(SecondaryTier):
     def state(self) -> TierState | ResourceState:
         """Up or down; ``closed`` once closing."""
         return self._health.state
-
-    @property
-    def timeout_s(self) -> float:
-        """Seconds each call may take (its wait for a thread included)."""
-        return self._calls.timeout_s
-
-    @timeout_s.setter
-    def timeout_s(self, value: float) -> None:
-        self._calls.timeout_s = value
-
-    @property
-    def max_concurrency(self) -> int:
-        """Threads that may do this tier's I/O at once (hung ones included)."""
-        return self._calls.max_threads
 
     @property
     def capacity_bytes(self) -> int:

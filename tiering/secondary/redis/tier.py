@@ -54,7 +54,7 @@ from tiering._closing import AsyncLifecycle
 from tiering._state import ResourceState
 from tiering._types import OffloadKey
 from tiering.errors import ConfigError
-from tiering.secondary._threads import CallOutcome, ThreadCalls
+from tiering.secondary._threads import CallOutcome, ThreadCalls, ThreadedTier
 from tiering.secondary.base import (
     ReadItem,
     SecondaryStatistics,
@@ -77,7 +77,7 @@ logger = logging.getLogger("tiering.secondary.redis")
 T = TypeVar("T")
 
 
-class RedisTier(SecondaryTier):
+class RedisTier(ThreadedTier, SecondaryTier):
     """A `SecondaryTier` on a Redis server or cluster. Works on asyncio and trio.
 
     ``url``: ``redis://[user[:password]@]host[:port][/db]`` or ``rediss://``
@@ -158,11 +158,6 @@ class RedisTier(SecondaryTier):
             await tier.aclose()
             raise
         return tier
-
-    @property
-    def timeout_s(self) -> float:
-        """The most seconds a call (and each socket operation) takes: the options' ``timeout_s``."""
-        return self._calls.timeout_s
 
     @property
     def cluster(self) -> bool | None:
