@@ -27,6 +27,7 @@ from typing import Any
 
 import msgspec
 
+from tiering._checks import check_int
 from tiering._types import Medium, OffloadKey
 from tiering.config import DEFAULT_POLICY
 from tiering.cpu.common import CPULoadStoreSpec
@@ -170,16 +171,8 @@ class CPUOffloadingManager:
         max_pending_events: int = 65536,
         on_events: Callable[[], object] | None = None,
     ) -> None:
-        if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
-            raise ConfigError(f"num_chunks must be a positive integer, got {num_chunks!r}")
-        if (
-            isinstance(max_pending_events, bool)
-            or not isinstance(max_pending_events, int)
-            or max_pending_events < 1
-        ):
-            raise ConfigError(
-                f"max_pending_events must be a positive integer, got {max_pending_events!r}"
-            )
+        num_chunks = check_int("num_chunks", num_chunks, minimum=1)
+        max_pending_events = check_int("max_pending_events", max_pending_events, minimum=1)
         if isinstance(policy, str):
             policy = create_policy(policy, num_chunks)
         elif not isinstance(policy, CachePolicy):
