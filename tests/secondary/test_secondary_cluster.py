@@ -30,7 +30,7 @@ def sends(monkeypatch: pytest.MonkeyPatch) -> Counter[int]:
 
     def counting(self: Any, guard: Any, own: Any, row: Any = None) -> None:
         with lock:
-            counts[int(self.port)] += 1
+            counts[int(self.address.port)] += 1
         original(self, guard, own, row)
 
     monkeypatch.setattr(Connection, "send", counting)
