@@ -69,9 +69,12 @@ class FolderOpening:
 
     async def wait_scan(self, timeout: float) -> None:
         """Wait at most ``timeout`` seconds for a scan still running (at close: the scan
-        deletes half-written files, not once the folder is free for another)."""
+        deletes half-written files, not once the folder is free for another). Always a
+        checkpoint."""
         if self._scan is not None and not self._scan.done():
             await _wait_done(self._scan, timeout)
+        else:
+            await anyio.lowlevel.checkpoint()
 
     async def remove(self, keys: Sequence[OffloadKey], timeout: float) -> bool:
         """Delete ``keys``' files (over capacity at open); whether that ended in time."""
