@@ -38,6 +38,31 @@ def dead_pid() -> int:
     return child.pid
 
 
+@contextlib.contextmanager
+def pool_in_a_child(name_code: str, made: list[Path]) -> Iterator[tuple[int, Path]]:
+    """A process holding a shared pool named by the expression ``name_code`` (its pid
+    and the pool's file), SIGKILLed when the block ends: nothing of it removes the file."""
+    script = (
+        "import sys, threading\n"
+        "from tiering.transfer import HostMemoryPool\n"
+        "from tiering.transfer.memory import shm_file_name\n"
+        f"pool = HostMemoryPool({MIB}, shm_name={name_code})\n"
+        "print(pool._path, flush=True)\n"
+        "threading.Event().wait()\n"  # until killed
+    )
+    with subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True
+    ) as child:
+        try:
+            assert child.stdout is not None
+            path = Path(child.stdout.readline().strip())
+            made.append(path)
+            yield child.pid, path
+        finally:
+            child.send_signal(signal.SIGKILL)
+            child.wait()
+
+
 @pytest.fixture
 def tag() -> str:
     return f"sweep-test-{uuid.uuid4().hex[:12]}"
@@ -71,25 +96,9 @@ def test_names_carry_the_pid_in_a_documented_pattern(tag: str) -> None:
 
 
 def test_a_pool_of_a_killed_process_is_swept_by_the_next_pool(tag: str, made: list[Path]) -> None:
-    script = (
-        "import sys, threading\n"
-        "from tiering.transfer import HostMemoryPool\n"
-        "from tiering.transfer.memory import shm_file_name\n"
-        f"pool = HostMemoryPool({MIB}, shm_name=shm_file_name({tag + '-killed'!r}))\n"
-        "print(pool._path, flush=True)\n"
-        "threading.Event().wait()\n"  # until killed
-    )
-    with subprocess.Popen(
-        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True
-    ) as child:
-        try:
-            assert child.stdout is not None
-            stale = Path(child.stdout.readline().strip())
-            made.append(stale)
-        finally:
-            child.send_signal(signal.SIGKILL)
-            child.wait()
-    assert stale.name == f"tiering-{child.pid}-{tag}-killed"
+    with pool_in_a_child(f"shm_file_name({tag + '-killed'!r})", made) as (pid, stale):
+        pass
+    assert stale.name == f"tiering-{pid}-{tag}-killed"
     assert stale.is_file()  # SIGKILL: nothing removed it
     assert stat.S_IMODE(stale.stat().st_mode) == 0o600
     with HostMemoryPool(MIB, shm_name=shm_file_name(tag)) as pool:
@@ -164,25 +173,9 @@ def test_a_pool_a_live_process_maps_is_kept_whatever_pid_its_name_carries(
     removed that live pool before its scheduler mapped it; now the creator's lock,
     held as long as it is mapped, keeps it, and only its death frees it."""
     name = shm_file_name(tag, dead_pid())  # a pid that means nothing here
-    script = (
-        "import sys, threading\n"
-        "from tiering.transfer import HostMemoryPool\n"
-        f"pool = HostMemoryPool({MIB}, shm_name={name!r})\n"
-        "print(pool._path, flush=True)\n"
-        "threading.Event().wait()\n"  # until killed
-    )
-    with subprocess.Popen(
-        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True
-    ) as child:
-        try:
-            assert child.stdout is not None
-            path = Path(child.stdout.readline().strip())
-            made.append(path)
-            assert path.name == name
-            assert name not in sweep_stale_pools().removed
-            assert path.is_file()  # mapped by a live process: kept
-        finally:
-            child.send_signal(signal.SIGKILL)
-            child.wait()
+    with pool_in_a_child(repr(name), made) as (_, path):
+        assert path.name == name
+        assert name not in sweep_stale_pools().removed
+        assert path.is_file()  # mapped by a live process: kept
     sweep_stale_pools()
     assert not path.exists()  # its mapping gone with it: swept (by this sweep or another's)
