@@ -12,8 +12,6 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm.v1.kv_offload.base import ReqContext
-from vllm.v1.kv_offload.tiering.base import TransferJob
 
 from tiering.errors import ConfigError
 from tiering.integrations.vllm.redis_tier import RedisSecondaryTier
@@ -22,6 +20,7 @@ from tiering.secondary.codec import KEYED_VERSION, ChunkCodec
 
 from ..secondary import conftest as secondary
 from .harness import build_engine, write_model
+from .test_redis_tier import finished, job
 
 redis_server = secondary.redis_server
 CHUNK = 16 << 10  # one 16-token block of the harness's model
@@ -46,21 +45,6 @@ def extra(**keys: Any) -> dict[str, Any]:
         "cpu_bytes_to_use": 16 * CHUNK,
         "secondary_tiers": [tier],
     }
-
-
-def job(job_id: int, keys: list[bytes], chunks: list[int], promotion: bool = False) -> TransferJob:
-    return TransferJob(
-        job_id=job_id,
-        keys=keys,
-        chunk_ids=np.array(chunks, dtype=np.int32),
-        is_promotion=promotion,
-        req_context=ReqContext(req_id=f"job-{job_id}"),
-    )
-
-
-def finished(tier: RedisSecondaryTier) -> list[Any]:
-    assert tier.wait_idle(10)
-    return list(tier.get_finished_jobs())
 
 
 @pytest.mark.parametrize("how", ["auth_key_file", "env"])
