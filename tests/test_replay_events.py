@@ -6,8 +6,11 @@ import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -96,17 +99,24 @@ def test_replay_json_counts_events(capsys: pytest.CaptureFixture[str], tmp_path:
 
 
 def test_a_late_subscriber_replays_what_the_replay_published(tmp_path: Path) -> None:
-    """`tiering replay --hold` keeps its sockets up; `tiering events` joins late and gets it all."""
+    """`tiering replay --hold` keeps its sockets up; `tiering events` joins late and gets it all.
+
+    The replay says how many events it published as its hold begins; the printer
+    is read until it has printed that many, and only then does Ctrl-C end the hold:
+    no race between the hold's end and a slow printer.
+    """
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     replayer = subprocess.Popen(
         [
             sys.executable, "-m", "tiering", "replay", "--workload", "chat",
-            "--requests", "60", "--json", "--hold", "4",
+            "--requests", "60", "--json", "--hold", "120",
             "--events-endpoint", "tcp://127.0.0.1:*", "--replay-endpoint", "tcp://127.0.0.1:*",
         ],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip
     printer = None
+    reader = None
+    printed: list[str] = []
     try:
         assert replayer.stderr is not None
         line = replayer.stderr.readline()
@@ -120,15 +130,34 @@ def test_a_late_subscriber_replays_what_the_replay_published(tmp_path: Path) -> 
             ],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
         )  # fmt: skip
-        out, _ = replayer.communicate(timeout=90)
+        held = replayer.stderr.readline()
+        done = re.search(r"replay done; holding the events endpoints \(([\d,]+) KV cache", held)
+        assert done, held
+        announced = int(done.group(1).replace(",", ""))
+        assert printer.stdout is not None
+        reader = threading.Thread(target=lambda: printed.extend(printer.stdout), daemon=True)
+        reader.start()
+        deadline = time.monotonic() + 60
+        while len(printed) < announced and time.monotonic() < deadline:
+            time.sleep(0.05)
+        replayer.send_signal(signal.SIGINT)  # ends the hold; the summary follows
+        out, _ = replayer.communicate(timeout=60)
+        assert replayer.returncode == 0
         published = json.loads(out)["events_published"]
-        assert published > 0
     finally:
         replayer.kill()
         if printer is not None:
             printer.terminate()
-    printed, errors = printer.communicate(timeout=30)
-    lines = [json.loads(x) for x in printed.splitlines()]
+    printer.wait(timeout=30)
+    assert reader is not None
+    assert printer.stderr is not None
+    reader.join(timeout=10)
+    errors = printer.stderr.read()
+    for stream in (printer.stdout, printer.stderr):
+        if stream is not None:
+            stream.close()
+    lines = [json.loads(x) for x in printed]
+    assert published == announced
     assert len(lines) == published, errors
     assert [x["seq"] for x in lines] == sorted(x["seq"] for x in lines)
     assert {x["type"] for x in lines} == {"BlockStored"}  # the tier never filled up

@@ -22,6 +22,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import signal
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -226,6 +228,23 @@ class _Pages:
         return int(np.count_nonzero((got != seeds + self.base).any(axis=1)))
 
 
+async def _hold(
+    engine: TieringEngine,
+    seconds: float,
+    on_hold: Callable[[TieringEngine, float], None] | None,
+) -> None:
+    """Stay up ``seconds``, or until SIGINT, the engine open; ``on_hold`` first."""
+    await anyio.sleep(0)  # the last stores' events go out at the end of this turn
+    if on_hold is not None:
+        on_hold(engine, seconds)
+    if threading.current_thread() is not threading.main_thread():
+        await anyio.sleep(seconds)  # signals reach the main thread only
+        return
+    with anyio.open_signal_receiver(signal.SIGINT) as signals, anyio.move_on_after(seconds):
+        async for _ in signals:
+            return
+
+
 async def replay(
     requests: Sequence[Request],
     options: ReplayOptions,
@@ -234,11 +253,15 @@ async def replay(
     backend_options: Mapping[str, Any] | None = None,
     on_open: Callable[[TieringEngine], contextlib.AbstractAsyncContextManager[object]]
     | None = None,
+    on_hold: Callable[[TieringEngine, float], None] | None = None,
 ) -> ReplayResult:
     """Replay ``requests`` through a fresh engine; see the module docstring.
 
     ``on_open(engine)`` (a metrics server, say) is entered once the engine is
-    open and exited after ``options.hold``, before the engine closes. Raises
+    open and exited after ``options.hold``, before the engine closes. With a
+    hold, ``on_hold(engine, seconds)`` is called once the requests are done and
+    their events published, as the hold begins; SIGINT (Ctrl-C) ends the hold
+    early, and the replay then ends as it would have. Raises
     `CapacityError`, before allocating it, when the emulated KV cache does not
     fit in the available host memory.
     """
@@ -343,7 +366,7 @@ async def replay(
         seconds = time.perf_counter() - start
         stats = engine.manager.statistics()
         if options.hold:
-            await anyio.sleep(options.hold)
+            await _hold(engine, options.hold, on_hold)
     final = engine.statistics()  # after close: the last batch and writes are counted
     return tally.result(
         options,
@@ -426,7 +449,10 @@ def run_replay(
     show_progress: bool = False,
     on_open: Callable[[TieringEngine], contextlib.AbstractAsyncContextManager[object]]
     | None = None,
+    on_hold: Callable[[TieringEngine, float], None] | None = None,
 ) -> ReplayResult:
     """Run `replay` on a fresh asyncio event loop (with a `ProgressBar` on stderr if asked)."""
     bar = ProgressBar() if show_progress else None
-    return anyio.run(lambda: replay(requests, options, progress=bar, on_open=on_open))
+    return anyio.run(
+        lambda: replay(requests, options, progress=bar, on_open=on_open, on_hold=on_hold)
+    )

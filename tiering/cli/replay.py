@@ -225,11 +225,34 @@ def _run(args: argparse.Namespace) -> None:
         options,
         show_progress=not args.json and sys.stderr.isatty(),
         on_open=_services(args),
+        on_hold=_holding(args),
     )
     if args.json:
         sys.stdout.buffer.write(msgspec.json.encode(result) + b"\n")
         return
     print(replay_table(result, args, requests, options.auth_key))
+
+
+def _holding(args: argparse.Namespace) -> Callable[[TieringEngine, float], None]:
+    """What says, as the hold begins, that the requests are done and what stays up."""
+
+    def holding(engine: TieringEngine, seconds: float) -> None:
+        held = []
+        if args.metrics_port is not None:
+            held.append("the metrics endpoint")
+        if engine.event_endpoints is not None:
+            events = engine.statistics().events
+            published = events.events_total if events is not None else 0
+            ends = "endpoints" if engine.event_endpoints[1] is not None else "endpoint"
+            held.append(f"the events {ends} ({published:,} KV cache events published)")
+        print(
+            f"tiering: replay done; holding {' and '.join(held)} for {seconds:g} s, the "
+            "engine open (Ctrl-C ends the hold); the summary follows",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    return holding
 
 
 def _auth_key(args: argparse.Namespace) -> AuthKey | None:
