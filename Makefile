@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 TRACE ?= ../shared/traces/conversation_trace.jsonl
 
-.PHONY: install test test-vllm vllm-env run check lint bench dashboards gpu-wheels clean
+.PHONY: install test test-vllm vllm-env run check lint bench dashboards plots gpu-wheels dist clean
 
 $(BIN)/tiering:
 	$(PYTHON) -m venv $(VENV)
@@ -69,6 +69,15 @@ dashboards: install
 		promtool check rules dashboards/alerts.yml && promtool test rules dashboards/alerts_test.yml; \
 	else echo "promtool not found (apt-get install prometheus): alert rules not checked"; fi
 
+# The README's figures, docs/policies.png and docs/disk-tiers.png (tracked), from the
+# conversation trace: the README's own plot commands write elsewhere, never over these.
+plots: install
+	@if [ ! -f "$(TRACE)" ]; then echo "no trace at $(TRACE): the README's figures are of it" >&2; exit 1; fi
+	$(BIN)/tiering simulate --trace $(TRACE) --policy all \
+		--capacity-tokens 500000,1000000,3000000,10000000,20000000 --plot docs/policies.png
+	$(BIN)/tiering simulate --trace $(TRACE) --policy lru,aslru --capacity-tokens 3000000 \
+		--disk-tokens 10000000,30000000,100000000 --plot docs/disk-tiers.png
+
 # Wheels of what the GPU check needs and the device image lacks (scripts/gpu_check.sh
 # says which: msgspec), for its Python (3.12) on x86_64 Linux, into wheels/ (ignored), which a
 # device call carries: the device has no network.
@@ -81,5 +90,12 @@ gpu-wheels: install
 		-d wheels $(foreach w,$(GPU_WHEELS),"$(w)")
 	@ls wheels
 
+# The wheel, dist/tiering-VERSION-py3-none-any.whl, to install where vLLM runs (README,
+# "Use it from vLLM"). build/ goes first: setuptools would pack a module deleted since.
+dist: install
+	rm -rf build dist/tiering-*.whl
+	$(BIN)/pip wheel --quiet --no-deps -w dist .
+	@ls dist/tiering-*.whl
+
 clean:
-	rm -rf $(VENV) $(VLLM_ENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_ENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -7,6 +7,7 @@ import argparse
 import sys
 from typing import Any
 
+from tiering._extras import require
 from tiering.cli.arguments import fail, positive_int, seconds
 from tiering.events.config import DEFAULT_ENDPOINT as _EVENTS_ENDPOINT  # msgspec only
 
@@ -58,14 +59,22 @@ def _run(args: argparse.Namespace) -> None:
 
     import anyio
 
-    from tiering.events.config import check_endpoint
+    from tiering.events.config import check_endpoint, check_replay_endpoint
+
+    require("zmq", "events", "tiering events")
     from tiering.events.tool import print_events  # pyzmq: only when used
 
     # As the replay's --events-endpoint: ZeroMQ would bind port 99999 as 34463,
     # and retry a connect to it (or to port 0) for ever.
     check_endpoint("endpoint", args.endpoint)
     if args.replay_endpoint is not None:
-        check_endpoint("--replay-endpoint", args.replay_endpoint)
+        check_replay_endpoint(
+            "--replay-endpoint",
+            args.replay_endpoint,
+            args.endpoint,
+            "the publisher's replay socket has an address of its own; give the port its "
+            "--replay-endpoint binds (tiering replay prints it at start)",
+        )
     timeout = args.timeout
     if timeout is None:
         watched = sys.stdout.isatty() or sys.stderr.isatty()

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from tiering._extras import require
 from tiering.cli.arguments import (
     UsageError,
     add_workload_args,
@@ -201,6 +202,11 @@ def _check_replay_flags(args: argparse.Namespace) -> None:
             f"--auth-key-file {args.auth_key_file!r} authenticates the values of a disk or "
             "remote tier, and none was given: add --disk DIR or --remote URL, or drop it"
         )
+    # The optional packages the flags need: one line now, not a traceback after a load.
+    if remote:
+        require("redis", "redis", "the remote tier (--remote, --remote-url-env)")
+    if args.events_endpoint is not None:
+        require("zmq", "events", "--events-endpoint")
 
 
 def _run(args: argparse.Namespace) -> None:

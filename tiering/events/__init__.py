@@ -1,7 +1,7 @@
 """KV cache events: the wire schema, the in-process bus, the ZMQ publisher and its client.
 
 The schema and the settings import only msgspec. The bus (anyio) and the ZMQ
-side (pyzmq, the ``zmq`` extra) load when one of their names is first used, so
+side (pyzmq, the ``events`` extra) load when one of their names is first used, so
 importing this package never imports pyzmq.
 """
 

@@ -31,6 +31,7 @@ from collections.abc import Hashable, Sequence
 
 import anyio.lowlevel
 
+from tiering._extras import require
 from tiering._types import Medium, OffloadKey
 from tiering.config import OffloadingConfig
 from tiering.cpu.manager import ChunkEvent, ChunksRemoved, ChunksStored, CPUOffloadingManager
@@ -55,7 +56,8 @@ class KVEventEmitter:
     `open` (on the event loop) builds the bus and its sinks and binds the
     emitter to ``manager``; `aclose` publishes what is still pending, then
     closes the bus. ``settings`` configures a ZMQ publisher (None: in-process
-    subscribers only).
+    subscribers only; given without pyzmq, a `ConfigError` naming the ``events``
+    extra).
     """
 
     def __init__(
@@ -65,6 +67,8 @@ class KVEventEmitter:
         *,
         keep_landed: bool = False,
     ) -> None:
+        if settings is not None:  # pyzmq missing: one ConfigError now, not at open
+            require("zmq", "events", "the ZMQ publisher of KV events")
         bpc = config.cache.blocks_per_chunk
         self._settings = settings
         self._translator = EventTranslator(

@@ -32,6 +32,7 @@ import stat
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Literal
 
+from tiering._extras import install_line
 from tiering.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -66,7 +67,7 @@ SALT_BYTES = 16
 _GMAC_LABEL = b"tiering gmac v1"
 #: GCM's nonce, fixed: each subkey tags one value only (see the codec's design note).
 _GMAC_NONCE = bytes(12)
-_EXTRA = "pip install 'tiering[auth]'"
+_EXTRA = install_line("auth")
 
 _MAKE_ONE = "make one with: openssl rand -hex 32 > FILE; chmod 600 FILE"
 

@@ -14,14 +14,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from tiering._extras import require
 from tiering.config import DEFAULT_POLICY
-from tiering.errors import TieringError
+from tiering.errors import ConfigError, TieringError
 from tiering.sim.result import OPTIMAL, SimulationResult
 
 __all__ = ["PlotUnavailableError", "check_plotting", "plot_hit_rates", "plot_hit_rates_by_tier"]
 
 
-class PlotUnavailableError(TieringError):
+class PlotUnavailableError(ConfigError):
     """``--plot`` was asked for but matplotlib (the ``plot`` extra) is not installed."""
 
 
@@ -32,13 +33,9 @@ def check_plotting(path: Path | str) -> str:
     `TieringError` unless matplotlib writes that format and ``path``'s folder
     exists and is writable.
     """
-    try:
-        import matplotlib  # noqa: F401
-        from matplotlib.backend_bases import FigureCanvasBase
-    except ImportError:
-        raise PlotUnavailableError(_NO_MATPLOTLIB) from None
+    backends = require("matplotlib.backend_bases", "plot", _PLOTTING, error=PlotUnavailableError)
     suffix = Path(path).suffix
-    if suffix.lower()[1:] not in FigureCanvasBase.get_supported_filetypes():
+    if suffix.lower()[1:] not in backends.FigureCanvasBase.get_supported_filetypes():
         what = f"matplotlib writes no format {suffix!r}" if suffix else "the name has no suffix"
         raise TieringError(
             f"cannot write plot {path}: {what}; end the name with .png, .svg or .pdf"
@@ -51,19 +48,13 @@ def check_plotting(path: Path | str) -> str:
     return suffix.lower()[1:]
 
 
-_NO_MATPLOTLIB = "--plot needs matplotlib: pip install 'tiering[plot]' (or matplotlib>=3.8)"
+_PLOTTING = "a plot (--plot)"
 
 
 def _pyplot() -> Any:
     """matplotlib's pyplot, drawing off screen."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise PlotUnavailableError(_NO_MATPLOTLIB) from None
-    return plt
+    require("matplotlib", "plot", _PLOTTING, error=PlotUnavailableError).use("Agg")
+    return require("matplotlib.pyplot", "plot", _PLOTTING, error=PlotUnavailableError)
 
 
 def _save(fig: Any, path: Path | str, file_format: str) -> None:

@@ -1,7 +1,8 @@
 """A shared secondary tier on Redis (or Valkey), standalone or Redis Cluster.
 
-Needs the ``redis`` extra (redis-py). redis-py is imported when a `RedisTier`
-first connects, never on ``import tiering``.
+Needs the ``redis`` extra (redis-py): without it, building a `RedisTier` is one
+`ConfigError` naming it (`tiering._extras`). redis-py is imported then, never on
+``import tiering``.
 
 The modules, each one job: `tier` (`RedisTier`: the contract, counting, the
 async shell and its health gates), `options` (`RedisOptions`: the keyword
