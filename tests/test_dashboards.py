@@ -491,11 +491,11 @@ def test_every_query_runs_against_a_real_prometheus(tmp_path: Path) -> None:
         running.start("replay", [sys.executable, "-m", "tiering", "replay", *replay_args])
         base = running.start_prometheus(target)
         wait_until_scraped(running, base)
-        # The first engine of the replay's process, no tier below its CPU tier (the
-        # tier row is checked against two in tests/test_dashboards_tiers.py).
-        untested = check_every_query_and_rule(running, base, target, engine="0", tiers=[])
+        # The replay's engine, labelled with its engine id ("replay"), no tier below its
+        # CPU tier (the tier row is checked against two in tests/test_dashboards_tiers.py).
+        untested = check_every_query_and_rule(running, base, target, engine="replay", tiers=[])
         assert event_queries_only({e for e in untested if "$tier" not in e}), untested
         capacity = api(base, "/api/v1/query", query=(
-            f'tiering_chunks_capacity{{instance=~"{target}", engine=~"0"}}'
+            f'tiering_chunks_capacity{{instance=~"{target}", engine=~"replay"}}'
         ))["result"]  # fmt: skip
         assert [float(s["value"][1]) for s in capacity] == [100.0]

@@ -98,6 +98,6 @@ def test_a_real_replay_over_disk_then_redis_fills_every_tier_row(
         base = running.start_prometheus(target)
         wait_until_scraped(running, base)
         untested = check_every_query_and_rule(
-            running, base, target, engine="0", tiers=["disk", "remote"]
+            running, base, target, engine="replay", tiers=["disk", "remote"]
         )
         assert event_queries_only(untested), untested  # the disk tier says what it holds

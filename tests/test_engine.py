@@ -133,15 +133,15 @@ async def test_stores_skip_present_keys_and_report_no_room(anyio_backend: str) -
         assert stores.latency_seconds > 0
 
 
-def test_engines_are_named_in_build_order_or_by_the_caller() -> None:
-    first = TieringEngine(config(), kv_caches(), cpu_bytes=CHUNK_BYTES)
-    second = TieringEngine(config(), kv_caches(), cpu_bytes=CHUNK_BYTES)
-    assert int(second.engine_id) == int(first.engine_id) + 1
+def test_engines_are_named_by_their_config_or_by_the_caller() -> None:
+    engine = TieringEngine(config(), kv_caches(), cpu_bytes=CHUNK_BYTES)
+    assert engine.engine_id == config().engine_id == "test"  # the config's engine_id
     named = TieringEngine(config(), kv_caches(), cpu_bytes=CHUNK_BYTES, engine_id="rank-3")
     assert named.engine_id == "rank-3"
     assert repr(named).startswith("<TieringEngine rank-3 [new;")
-    with pytest.raises(ConfigError, match="engine_id"):
-        TieringEngine(config(), kv_caches(), cpu_bytes=CHUNK_BYTES, engine_id="")
+    for bad in ("", 3):
+        with pytest.raises(ConfigError, match=f"engine_id must be a non-empty string, got {bad!r}"):
+            TieringEngine(config(), kv_caches(), cpu_bytes=CHUNK_BYTES, engine_id=bad)  # type: ignore[arg-type]
 
 
 async def test_loads_go_before_queued_stores(mock_engine: TieringEngine) -> None:
@@ -297,14 +297,12 @@ async def test_close_cancels_queued_and_finishes_running(anyio_backend: str) -> 
         engine.submit_store_nowait(keys(3), spec([3]))
 
 
-def test_cpu_bytes_is_checked_before_the_engine_takes_an_id() -> None:
-    first = TieringEngine(config(), kv_caches(), cpu_bytes=1 << 20, backend="mock")
+def test_cpu_bytes_is_checked_first() -> None:
     with pytest.raises(ConfigError, match="cpu_bytes must be a positive integer"):
         TieringEngine(config(), kv_caches(), cpu_bytes=0, engine_id="")
     with pytest.raises(ConfigError, match="cpu_bytes"):
         TieringEngine(config(), kv_caches(), cpu_bytes=0)
     second = TieringEngine(config(), kv_caches(), cpu_bytes=1 << 20, backend="mock")
-    assert int(second.engine_id) == int(first.engine_id) + 1  # the refused one took none
     refused = ""  # a numpy integer: refused naming cpu_bytes, or taken as the int it is
     try:
         engine = TieringEngine(config(), kv_caches(), cpu_bytes=np.int64(1 << 20), backend="mock")

@@ -221,7 +221,7 @@ async def test_exposition_after_jobs_has_every_family_label_and_value(
         "cpu_num_chunks": "4",
         "cpu_blocks_per_chunk": "1",
         "cpu_kv_cache_size_bytes": str(4 * CHUNK_BYTES),
-        "cpu_kv_cache_size_tokens": "",  # the model's length is not known
+        # no cpu_kv_cache_size_tokens: the model's length is not known (never an empty value)
         "policy": DEFAULT_POLICY,
         "backend": "mock",
         "version": info["version"],
@@ -347,6 +347,17 @@ def test_info_has_the_fields_of_cpu_offloading_info_policy_backend_and_version()
 
 
 # -- registries ---------------------------------------------------------------
+
+
+def test_the_engine_label_is_the_engine_id_and_no_label_value_is_empty() -> None:
+    text = render_metrics(make_engine(4)).decode()  # no engine_id given: the config's
+    series, _ = parse(text.encode())
+    assert {dict(ls)["engine"] for (_, ls) in series} == {config().engine_id}
+    info = next(dict(ls) for (n, ls) in series if n == "tiering_info")
+    assert "cpu_kv_cache_size_tokens" not in info  # the model's length is not known
+    assert info["cpu_kv_cache_size_bytes"] == str(4 * CHUNK_BYTES)
+    assert '=""' not in text
+    assert all(value for (_, ls) in series for (_, value) in ls)
 
 
 def test_two_engines_in_one_process_have_their_own_registries() -> None:

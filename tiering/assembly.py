@@ -14,7 +14,6 @@ docstring gives. The records the engine returns (`PrefixLookup`,
 from __future__ import annotations
 
 import functools
-import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -70,8 +69,6 @@ TierSource = SecondaryTier | Callable[[RemoteNamespace], SecondaryTier]
 #: Keys of ``OffloadingConfig.extra_config`` read as scheduler limits.
 _LIMIT_KEYS = frozenset(SchedulerLimits.__struct_fields__)
 
-_ENGINE_IDS = itertools.count()
-
 
 class PrefixLookup(msgspec.Struct, frozen=True):
     """A request's chunks from the head: ``ready`` to load, then ``pending`` (being
@@ -119,12 +116,11 @@ def kv_cache_tensors(
     return list(KVLayout.from_kv_caches(config, kv_caches).tensors)
 
 
-def engine_name(engine_id: str | None) -> str:
-    """``engine_id``, or the next of ``"0"``, ``"1"``, ... in this process."""
-    name = str(next(_ENGINE_IDS)) if engine_id is None else engine_id
-    if not name:
-        raise ConfigError("engine_id must be a non-empty string, got ''")
-    return name
+def engine_name(engine_id: str) -> str:
+    """``engine_id``, checked: a non-empty string."""
+    if not isinstance(engine_id, str) or not engine_id:
+        raise ConfigError(f"engine_id must be a non-empty string, got {engine_id!r}")
+    return engine_id
 
 
 def cpu_tier(

@@ -104,7 +104,8 @@ class TieringEngine:
     ``"cpu"``, ``"cuda"`` or ``"mock"``; ``backend_options`` go to its
     constructor. Scheduler limits come from ``limits`` or from the config's
     ``extra_config`` (``max_queued_jobs``, ``max_inflight_bytes``, ``slice_chunks``,
-    ``max_load_slices``). ``engine_id`` names the engine in metrics.
+    ``max_load_slices``). ``engine_id`` names the engine in metrics (by default
+    ``config.engine_id``).
     ``prefault`` maps the whole CPU tier at open (the memory is committed
     then, and no store pays a page fault later); ``False`` maps it lazily.
 
@@ -147,11 +148,11 @@ class TieringEngine:
         cascade_queue: int = 64,
         cascade_chunks: int | None = None,
     ) -> None:
-        cpu_bytes = check_int("cpu_bytes", cpu_bytes, minimum=1)  # first: a refused one takes no id
+        cpu_bytes = check_int("cpu_bytes", cpu_bytes, minimum=1)  # first, before anything is built
         self.config = config
-        #: Names this engine in metrics and logs: ``engine_id``, or ``"0"``,
-        #: ``"1"``, ... in the order engines are built in this process.
-        self.engine_id = engine_name(engine_id)
+        #: Names this engine in metrics (the ``engine`` label) and logs: ``engine_id``,
+        #: or the config's (``config.engine_id``; vLLM's ``kv_transfer_config.engine_id``).
+        self.engine_id = engine_name(config.engine_id if engine_id is None else engine_id)
         self.layout, self.info = cpu_tier(config, kv_caches, cpu_bytes)
         self.backend_name = backend_name(backend, self.layout)
         num_chunks = self.info.cpu_num_chunks

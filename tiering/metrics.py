@@ -32,7 +32,9 @@ Design note: a pull collector, one registry per engine.
 
 Names follow the Prometheus conventions: ``tiering_`` prefix, base units
 (bytes, seconds), ``_total`` counters, ``_ratio`` fractions. Every series has an
-``engine`` label; the CPU tier's series have ``tier="cpu"``, a tier below it
+``engine`` label, the engine's id (`TieringEngine.engine_id`: its config's
+``engine_id`` unless the engine was given one; under vLLM, its
+``kv_transfer_config.engine_id``); the CPU tier's series have ``tier="cpu"``, a tier below it
 ``tier=<its label>``, and the transfer series ``direction`` (``store``: GPU to
 CPU, or CPU to the tier below; ``load``: CPU to GPU, or the tier below to CPU).
 `FAMILIES` lists the families; `UNDASHBOARDED` those that no panel or rule of
@@ -194,10 +196,6 @@ def _version() -> str:
         return "unknown"
 
 
-def _label(value: object) -> str:
-    return "" if value is None else str(value)
-
-
 class MetricsCollector:
     """A prometheus-client collector over one engine's `statistics()`.
 
@@ -213,7 +211,9 @@ class MetricsCollector:
         except TypeError:  # not weakly referable: keep it alive instead
             self._engine = lambda: engine
         info = engine.info
-        self._info = {name: _label(getattr(info, name)) for name in _INFO_FIELDS}
+        # A fact not known (None) has no label: never an empty value.
+        facts = {name: getattr(info, name) for name in _INFO_FIELDS}
+        self._info = {name: str(value) for name, value in facts.items() if value is not None}
         self._info["policy"] = str(engine.manager.policy.name)
         self._info["backend"] = str(engine.backend_name)
         self._info["version"] = _version()
@@ -270,7 +270,8 @@ class _Families:
 
         self.info = InfoMetricFamily(
             "tiering",
-            "Static facts of the tier: CPUOffloadingInfo's fields, policy, backend, version.",
+            "Static facts of the tier: CPUOffloadingInfo's fields (those known), policy, "
+            "backend, version.",
             labels=tier,
         )
         self.capacity = gauge("tiering_chunks_capacity", "Chunk slots in the tier.")

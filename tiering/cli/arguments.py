@@ -9,7 +9,9 @@ traceback: a subcommand raises `UsageError` (or a `TieringError`), and
 from __future__ import annotations
 
 import argparse
+import inspect
 import math
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,6 +24,7 @@ __all__ = [
     "EXIT_USAGE",
     "UsageError",
     "add_workload_args",
+    "default_requests",
     "fail",
     "int_list",
     "load_requests",
@@ -35,6 +38,10 @@ __all__ = [
 EXIT_USAGE = 2
 
 
+#: A number written with commas between groups of three digits (``1,000,000``).
+_GROUPED = re.compile(r"\d{1,3}(,\d{3})+")
+
+
 class UsageError(Exception):
     """Bad command-line input: reported in one line, exit code 2."""
 
@@ -43,7 +50,12 @@ def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+        hint = (
+            f": write {text.replace(',', '')}, without commas" if _GROUPED.fullmatch(text) else ""
+        )
+        raise argparse.ArgumentTypeError(
+            f"expected a positive integer, got {text!r}{hint}"
+        ) from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value
@@ -72,8 +84,24 @@ def seconds(text: str) -> float:
 
 
 def int_list(text: str) -> list[int]:
-    """A comma-separated list of positive integers (``1000000,3000000``)."""
-    return [positive_int(part.strip()) for part in text.split(",")]
+    """A comma-separated list of capacities, positive integers (``1000000,3000000``).
+
+    Thousands separators (``1,000,000``: a part after the first of three digits
+    starting with 0, which no one writes for a capacity) are refused as such, not
+    read as the capacities 1, 0, 0.
+    """
+    parts = [part.strip() for part in text.split(",")]
+    if any(len(p) == 3 and p.isdigit() and p.startswith("0") for p in parts[1:]):
+        read = ", ".join(str(int(p)) if p.isdigit() else repr(p) for p in parts)
+        fix = (
+            f"write {''.join(parts)}"
+            if _GROUPED.fullmatch(text.strip())
+            else "write each without thousands separators (1000000, not 1,000,000)"
+        )
+        raise argparse.ArgumentTypeError(
+            f"{text} reads as capacities {read}; commas separate capacities: {fix}"
+        )
+    return [positive_int(part) for part in parts]
 
 
 def name_list(choices: Sequence[str]) -> argparse._ActionType:
@@ -89,14 +117,25 @@ def name_list(choices: Sequence[str]) -> argparse._ActionType:
     return parse
 
 
+def default_requests(workload: str) -> int:
+    """How many requests the built-in ``workload`` makes when not told (its factory's
+    default ``num_requests``)."""
+    return int(inspect.signature(WORKLOADS[workload]).parameters["num_requests"].default)
+
+
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    defaults = ", ".join(f"{name} {default_requests(name):,}" for name in sorted(WORKLOADS))
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--trace", metavar="FILE", help="a Mooncake-format JSON-lines trace")
     source.add_argument(
         "--workload", choices=sorted(WORKLOADS), help="a built-in synthetic workload"
     )
     parser.add_argument(
-        "--requests", type=positive_int, metavar="N", help="use only the first N requests"
+        "--requests",
+        type=positive_int,
+        metavar="N",
+        help="the first N requests of a trace (default: all of them), or N made by a "
+        f"built-in workload (default: {defaults}; at most {MAX_REQUESTS:,})",
     )
 
 

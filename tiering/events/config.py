@@ -33,6 +33,7 @@ __all__ = [
     "KVEventsConfig",
     "binds_every_interface",
     "check_endpoint",
+    "check_replay_endpoint",
     "is_ipv6",
     "loopback_of",
     "offset_endpoint",
@@ -120,6 +121,17 @@ def check_endpoint(where: str, value: object) -> None:
         raise ConfigError(
             f"{where} must be tcp://HOST:PORT with a port in 1-65535, or '*' "
             f"for a free one (e.g. 'tcp://*:5557', 'tcp://127.0.0.1:*'), got {value!r}"
+        )
+
+
+def check_replay_endpoint(where: str, replay_endpoint: str, endpoint: str, fix: str) -> None:
+    """Raise a `ConfigError` naming ``where`` unless ``replay_endpoint`` is a usable
+    endpoint (`check_endpoint`) of its own: not the address of ``endpoint`` (the same
+    port, on the same host or on every interface); ``fix`` says what to give instead."""
+    check_endpoint(where, replay_endpoint)
+    if _same_address(endpoint, replay_endpoint):
+        raise ConfigError(
+            f"{where} {replay_endpoint!r} names the address of endpoint {endpoint!r}: {fix}"
         )
 
 
@@ -222,13 +234,13 @@ class KVEventsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         if self.bind is None and self.endpoint == DEFAULT_ENDPOINT:
             msgspec.structs.force_setattr(self, "bind", True)  # loopback: nothing to connect to
         if self.replay_endpoint is not None:
-            check_endpoint("KVEventsConfig.replay_endpoint", self.replay_endpoint)
-            if _same_address(self.endpoint, self.replay_endpoint):
-                raise ConfigError(
-                    f"KVEventsConfig.replay_endpoint {self.replay_endpoint!r} names the address "
-                    f"of endpoint {self.endpoint!r}: the replay socket needs an address of its "
-                    "own (another port, or '*' for a free one)"
-                )
+            check_replay_endpoint(
+                "KVEventsConfig.replay_endpoint",
+                self.replay_endpoint,
+                self.endpoint,
+                "the replay socket needs an address of its own (another port, or '*' for a "
+                "free one)",
+            )
         if not isinstance(self.topic, str):
             raise ConfigError(f"KVEventsConfig.topic must be a string, got {self.topic!r}")
         _check_count("buffer_steps", self.buffer_steps, 1, "batches kept for replay")

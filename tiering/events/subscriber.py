@@ -57,6 +57,7 @@ from tiering.events.config import (
     DEFAULT_ENDPOINT,
     binds_every_interface,
     check_endpoint,
+    check_replay_endpoint,
 )
 from tiering.events.monitor import PeerEvent, PeerMonitor
 from tiering.events.publisher import END_SEQ
@@ -66,6 +67,12 @@ from tiering.events.sockets import SocketEnd, attach
 logger = logging.getLogger(__name__)
 
 __all__ = ["SubscriberStatistics", "ZmqSubscriber"]
+
+#: What a replay endpoint on the events endpoint's address should be instead.
+_OWN_REPLAY_ADDRESS = (
+    "the publisher's replay socket (ROUTER) has an address of its own: give the one its "
+    "replay endpoint binds (another port)"
+)
 
 
 class SubscriberStatistics(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -149,7 +156,9 @@ class ZmqSubscriber(SocketEnd, AsyncResource):
         check_endpoint("ZmqSubscriber endpoint", endpoint)
         _check_host(endpoint, "subscribe to endpoint")
         if replay_endpoint is not None:
-            check_endpoint("ZmqSubscriber replay_endpoint", replay_endpoint)
+            check_replay_endpoint(
+                "ZmqSubscriber replay_endpoint", replay_endpoint, endpoint, _OWN_REPLAY_ADDRESS
+            )
             _check_host(replay_endpoint, "connect to replay endpoint")
         self._sub = self._ctx.socket(zmq.SUB)
         self._dealer: zmq.Socket[bytes] | None = None
