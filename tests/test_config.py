@@ -407,11 +407,13 @@ def test_tiering_extra_keys_are_the_ones_the_code_reads() -> None:
 
     # The engine reads the scheduler limits, the vLLM integration blocks_per_chunk.
     assert set(SchedulerLimits.__struct_fields__) | {"blocks_per_chunk"} == TIERING_EXTRA_KEYS
-    # vLLM's own kv_connector_extra_config keys that tiering's vLLM spec reads
+    # vLLM 0.33's own kv_connector_extra_config keys on the offloading path (the list is
+    # derived again from vLLM's sources in tests/vllm/test_keys.py)
     assert {
         "block_size", "cpu_bytes_to_use", "eviction_policy", "cache_policy_module_path",
         "self_describing_kv_events", "offload_prompt_only", "spec_name", "spec_module_path",
         "canonical_layout", "secondary_tiers", "store_threshold", "max_tracker_size",
+        "blocks_per_chunk", "sync_load_budget_bytes", "tier_poll_interval_s", "backpressure",
     } == SHARED_EXTRA_KEYS  # fmt: skip
 
 
@@ -424,6 +426,17 @@ def test_vllms_own_keys_pass_and_are_named_in_the_misspelling_message() -> None:
     assert "did you mean 'slice_chunks'?" in message
     for key in ("store_threshold", "max_tracker_size", "offload_prompt_only", "spec_name"):
         assert repr(key) in message  # listed among the keys tiering reads
+
+
+def test_the_misspelling_message_names_vllms_keys_as_passed_not_read() -> None:
+    # vLLM's own keys (backpressure, tier_poll_interval_s...) are not read by tiering.
+    with pytest.raises(ConfigError) as info:
+        msgspec.structs.replace(HYBRID, extra_config={"slice_chunk": 4})
+    read, passed = str(info.value).split("tiering reads ")[1].split(", and passes vLLM's own")
+    assert "'slice_chunks'" in read
+    assert "'backpressure'" not in read
+    assert "backpressure" in passed
+    assert "tier_poll_interval_s" in passed
 
 
 @pytest.mark.parametrize(

@@ -27,7 +27,6 @@ integer (not a bool) when the config is built, not only when an engine is.
 from __future__ import annotations
 
 import codecs
-import contextlib
 import difflib
 import os
 import tomllib
@@ -39,8 +38,14 @@ from typing import Any
 import msgspec
 
 from tiering._checks import is_int
-from tiering._decode import closest_key, decode, shown
+from tiering._decode import decode, shown
 from tiering.errors import ConfigError
+from tiering.extra_config import (
+    SHARED_EXTRA_KEYS,
+    TIERING_EXTRA_KEYS,
+    VLLM_EXTRA_KEYS,
+    check_extra_config,
+)
 
 __all__ = [
     "DEFAULT_POLICY",
@@ -48,6 +53,7 @@ __all__ = [
     "TIERING_EXTRA_KEYS",
     "TORCH_DTYPE_NAMES",
     "VLLM_CACHE_DTYPES",
+    "VLLM_EXTRA_KEYS",
     "OffloadingCacheConfig",
     "OffloadingConfig",
     "OffloadingGroupConfig",
@@ -61,47 +67,6 @@ __all__ = [
 #: or a segmented LRU, whichever sampled shadows say hits more (by how much: the
 #: README's policy table, which `bench/policy.py` prints and checks).
 DEFAULT_POLICY = "dslru"
-
-#: What each of tiering's own ``extra_config`` keys counts (for the message that
-#: refuses a bad value).
-_EXTRA_MEANINGS: Mapping[str, str] = MappingProxyType(
-    {
-        "max_queued_jobs": "jobs each direction queues before submissions wait",
-        "max_inflight_bytes": "bytes each direction hands the transfer backend at once",
-        "slice_chunks": "chunks in one load slice",
-        "max_load_slices": "load slices at the transfer backend at once",
-        "blocks_per_chunk": "GPU blocks coalesced into a chunk",
-    }
-)
-
-#: The ``extra_config`` keys that are tiering's own: the scheduler limits
-#: (`tiering.scheduler.SchedulerLimits`, read by the engine) and
-#: ``blocks_per_chunk`` (read by `tiering.integrations.vllm`).
-TIERING_EXTRA_KEYS: frozenset[str] = frozenset(_EXTRA_MEANINGS)
-#: ``extra_config`` keys of vLLM's own (its ``kv_connector_extra_config`` for an
-#: offloading connector) that tiering reads with the meaning vLLM gives them:
-#: ``block_size`` (tokens per chunk), the CPU tier's size and policy, the spec
-#: to load, events, layout and the secondary tiers. They are never taken for a
-#: misspelling of one of `TIERING_EXTRA_KEYS`.
-SHARED_EXTRA_KEYS: frozenset[str] = frozenset(
-    {
-        "block_size",
-        "cpu_bytes_to_use",
-        "eviction_policy",
-        "cache_policy_module_path",
-        "self_describing_kv_events",
-        "offload_prompt_only",
-        "spec_name",
-        "spec_module_path",
-        "canonical_layout",
-        "secondary_tiers",
-        "store_threshold",
-        "max_tracker_size",
-    }
-)
-#: How alike (difflib's ratio) an unknown key must be to one of
-#: `TIERING_EXTRA_KEYS` to be taken for its misspelling.
-_MISSPELLING = 0.8
 
 #: The names of the dtypes torch knows (``torch.<name>`` is a ``torch.dtype``),
 #: as of torch 2.13. This module does not import torch; tests/test_config.py
@@ -184,43 +149,6 @@ def _check_dtype(owner: str, dtype: str) -> None:
         hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
         hint += "use a torch dtype name such as 'bfloat16' or a vLLM KV-cache dtype such as 'fp8'"
     raise ConfigError(f"{owner}.dtype={dtype!r} is not a dtype torch or vLLM knows; {hint}")
-
-
-def _check_extra_values(owner: str, extra: Mapping[str, Any]) -> None:
-    """Refuse a value of one of `TIERING_EXTRA_KEYS` that is not a positive integer.
-
-    ``blocks_per_chunk`` may be an integer string, as vLLM's extra config allows
-    (`tiering.integrations.vllm` reads it so).
-    """
-    for key, meaning in _EXTRA_MEANINGS.items():
-        if key not in extra:
-            continue
-        value = extra[key]
-        number = value
-        if key == "blocks_per_chunk" and isinstance(value, str):
-            with contextlib.suppress(ValueError):  # not an integer: refused below
-                number = int(value.strip())
-        if not is_int(number) or number < 1:
-            raise ConfigError(
-                f"{owner}.extra_config[{key!r}] must be a positive integer ({meaning}), "
-                f"got {value!r} of type {type(value).__name__}"
-            )
-
-
-def _check_extra_keys(owner: str, extra: Mapping[str, Any]) -> None:
-    """Refuse a key that looks like a misspelling of one of `TIERING_EXTRA_KEYS`.
-
-    Case does not count: ``MAX_QUEUED_JOBS`` is taken for ``max_queued_jobs``.
-    """
-    for key in extra:
-        if key in TIERING_EXTRA_KEYS or key in SHARED_EXTRA_KEYS:
-            continue
-        meant = closest_key(key, sorted(TIERING_EXTRA_KEYS), cutoff=_MISSPELLING)
-        if meant:
-            raise ConfigError(
-                f"{owner}.extra_config has key {key!r}, which tiering does not read; did you "
-                f"mean {meant!r}? tiering reads {sorted(TIERING_EXTRA_KEYS | SHARED_EXTRA_KEYS)}"
-            )
 
 
 def _as_tuple(struct: msgspec.Struct, owner: str, name: str, item_type: type) -> tuple[Any, ...]:
@@ -446,8 +374,7 @@ class OffloadingConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
             raise ConfigError(
                 f"{owner}.extra_config must be a mapping with string keys, got {shown(extra)}"
             )
-        _check_extra_keys(owner, extra)
-        _check_extra_values(owner, extra)
+        check_extra_config(owner, extra)
         _check_text(owner, "engine_id", self.engine_id)
         _check_bool(
             owner, "replicated_layout", self.replicated_layout, "one host copy for all workers"
@@ -556,15 +483,15 @@ class OffloadingConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
 
 
 def load_config(path: str | os.PathLike[str]) -> OffloadingConfig:
-    """Read an `OffloadingConfig` from a ``.json`` or ``.toml`` file.
+    """Read an `OffloadingConfig` from a ``.json`` or ``.toml`` file: its fields by name,
+    its records as tables (``examples/tiering.toml`` has every key, its meaning, default).
 
     Guarantees a fully checked config or a `ConfigError` whose message names
     the file, the offending field with msgspec's path (``$.cache.blocks_per_chunk``,
     or ``$.cache`` after the field's name) and the value: unknown fields, wrong types,
     missing required fields, impossible values, malformed files and unreadable
     files are all reported that way. A file may start with a UTF-8 byte order
-    mark. TOML has no null: leave ``sliding_window_size_in_chunks`` out for a
-    full-attention group.
+    mark. TOML has no null: leave a field out for None (where None is its default).
     """
     source = Path(path)
     suffix = source.suffix.lower()

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from tiering.errors import ConfigError
-from tiering.integrations.vllm.extra import metrics_extra, redis_options
+from tiering.integrations.vllm.extra import redis_options, spec_keys
 from tiering.secondary.base import Locality
 
 WHERE = "secondary tier 'redis' (RedisSecondaryTier): "
@@ -61,13 +61,13 @@ def test_a_password_in_the_url_is_noted() -> None:
      ({"metrics_port": 9100, "metrics_host": "0.0.0.0"}, 9100, "0.0.0.0")],
 )  # fmt: skip
 def test_the_metrics_keys(keys: dict[str, Any], port: int | None, host: str) -> None:
-    extra = metrics_extra({"cpu_bytes_to_use": 1, **keys})
-    assert (extra.metrics_port, extra.metrics_host) == (port, host)
+    extra = spec_keys({"cpu_bytes_to_use": 1, **keys})
+    assert extra.metrics_address == (None if port is None else (host, port))
 
 
 def test_a_bad_metrics_port() -> None:
     with pytest.raises(ConfigError, match=r"^kv_connector_extra_config\['metrics_port'\] must "):
-        metrics_extra({"metrics_port": True})
+        spec_keys({"cpu_bytes_to_use": 1, "metrics_port": True})
 
 
 def test_numpy_numbers_are_taken_as_before() -> None:
@@ -80,11 +80,13 @@ def test_numpy_numbers_are_taken_as_before() -> None:
     assert options.redis["ttl_s"] == 60.0
 
 
-def test_metrics_host_is_read_only_with_a_port() -> None:
-    # As before: without a metrics_port no server starts, and metrics_host is not read.
-    assert metrics_extra({"metrics_host": ""}).metrics_port is None
+def test_metrics_host_needs_a_port() -> None:
+    # Without a metrics_port no server starts: a metrics_host alone is refused (it was
+    # accepted and ignored before issue 28).
+    with pytest.raises(ConfigError, match=r"\['metrics_host'\] is '0.0.0.0' but metrics_port"):
+        spec_keys({"cpu_bytes_to_use": 1, "metrics_host": "0.0.0.0"})
     with pytest.raises(ConfigError, match=r"\['metrics_host'\] must be a host address"):
-        metrics_extra({"metrics_port": 0, "metrics_host": ""})
+        spec_keys({"cpu_bytes_to_use": 1, "metrics_port": 0, "metrics_host": ""})
 
 
 def test_a_url_of_another_type_is_shown_once_and_without_its_secrets() -> None:

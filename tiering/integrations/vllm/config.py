@@ -78,7 +78,12 @@ from tiering.integrations.vllm.duck import (
     from_vllm_offloading_config,
 )
 
-__all__ = ["build_offloading_config", "from_vllm_offloading_config", "is_kv_cache_tensor_packed"]
+__all__ = [
+    "build_offloading_config",
+    "extra_int",
+    "from_vllm_offloading_config",
+    "is_kv_cache_tensor_packed",
+]
 
 _SLIDING_WINDOW_SPECS = frozenset({"SlidingWindowSpec", "SlidingWindowMLASpec"})
 _MAMBA_SPEC = "MambaSpec"
@@ -201,23 +206,30 @@ class _ExtraKeys(msgspec.Struct, frozen=True, kw_only=True):
     blocks_per_chunk: _IntLike = None
 
 
-def _extra_int(value: int | str | None, key: str) -> int | None:
-    """``value`` as a positive int (an integer string too), or None."""
+def extra_int(
+    value: int | str | None, key: str, minimum: int = 1, right: str = "a positive integer"
+) -> int | None:
+    """``value`` of the ``kv_connector_extra_config`` key ``key`` as vLLM's ``int()`` reads
+    it (an int, or a string of one; not a float, which ``int()`` would cut), at least
+    ``minimum`` (``right`` says what is right, in words); None stays None."""
     if value is None:
         return None
     where = f"kv_connector_extra_config[{key!r}]"
     if isinstance(value, str):
         try:
-            value = int(value.strip())
+            number = int(value.strip())
         except ValueError:
-            raise ConfigError(f"{where} must be a positive integer, got {value!r}") from None
-    return as_int(value, where, 1)
+            number = None
+        if number is None or number < minimum:
+            raise ConfigError(f"{where} must be {right}, got {shown(value, key)}")
+        return number
+    return as_int(value, where, minimum)
 
 
 def _blocks_per_chunk(extra: _ExtraKeys, tokens_per_block: Sequence[int]) -> int:
     """GPU blocks per chunk, from ``block_size`` (tokens per chunk) or ``blocks_per_chunk``."""
-    tokens_per_chunk = _extra_int(extra.block_size, "block_size")
-    blocks_per_chunk = _extra_int(extra.blocks_per_chunk, "blocks_per_chunk")
+    tokens_per_chunk = extra_int(extra.block_size, "block_size")
+    blocks_per_chunk = extra_int(extra.blocks_per_chunk, "blocks_per_chunk")
     if tokens_per_chunk is not None and blocks_per_chunk is not None:
         raise ConfigError(
             f"kv_connector_extra_config sets both 'block_size' ({tokens_per_chunk} tokens per "
@@ -430,7 +442,7 @@ def build_offloading_config(vllm_config: object, kv_cache_config: object) -> Off
                 "so that every group's block size aligns with the hash block size"
             )
 
-    keys = decode(_ExtraKeys, dict(extra), where="kv_connector_extra_config")  # as _extra_int
+    keys = decode(_ExtraKeys, dict(extra), where="kv_connector_extra_config")  # as extra_int
     blocks_per_chunk = _blocks_per_chunk(keys, tokens_per_block)
     groups = tuple(
         OffloadingGroupConfig(

@@ -3,9 +3,10 @@
 vLLM hands a spec its ``kv_connector_extra_config`` and each ``secondary_tiers``
 entry as a dict parsed from ``--kv-transfer-config``. The parts tiering reads
 are decoded here (`tiering._decode`): one `ConfigError` line per bad value,
-naming the key, the value and what would be right. An entry's keys are
-tiering's own (an unknown key is refused, with the key it may misspell); the
-extra config itself is shared with vLLM, so only the keys read are decoded.
+naming the key, the value and what would be right, and an unknown key refused
+with the key it may misspell. `TieringSpecKeys` is the whole extra config of
+`TieringSpec`: tiering's keys and vLLM's own (`tiering.extra_config.VLLM_EXTRA_KEYS`),
+each typed as vLLM reads it. An entry's keys are its tier's own.
 
 A ``secondary_tiers`` entry of `RedisSecondaryTier`::
 
@@ -24,8 +25,11 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
-from tiering._decode import decode, shown
+from tiering._decode import closest_key, decode, shown
+from tiering.config import DEFAULT_POLICY
 from tiering.errors import ConfigError
+from tiering.integrations.vllm.config import extra_int
+from tiering.policies import POLICY_NAMES
 from tiering.secondary.auth import AuthKey
 from tiering.secondary.base import Locality
 from tiering.secondary.codec import RemoteNamespace
@@ -34,12 +38,13 @@ from tiering.secondary.redis.address import resolve_url
 
 __all__ = [
     "VLLM_ENTRY_KEYS",
-    "MetricsExtra",
     "RedisEntry",
     "RedisEntryOptions",
-    "metrics_extra",
+    "TieringSpecKeys",
+    "entry_auth_key",
     "redis_options",
     "remote_namespace",
+    "spec_keys",
 ]
 
 #: The keys of a ``secondary_tiers`` entry that vLLM's factory reads, not the tier.
@@ -139,16 +144,23 @@ def redis_options(tier_type: str, entry: Mapping[str, Any]) -> RedisEntryOptions
     for key in ("max_batch", "max_concurrency", "cluster", "backoff_s", "checksum"):
         if getattr(keys, key) is not UNSET:
             redis[key] = getattr(keys, key)
-    try:  # else $TIERING_AUTH_KEY, if set: no secret in the entry, which vLLM logs
-        redis["auth_key"] = AuthKey.load(keys.auth_key_file)
-    except ConfigError as exc:
-        source = "'auth_key_file'" if keys.auth_key_file is not None else "$TIERING_AUTH_KEY"
-        raise ConfigError(f"{where}{source}: {exc}") from None
+    redis["auth_key"] = entry_auth_key(where, keys.auth_key_file)
     locality = Locality((keys.locality or "REMOTE").upper())
     redis["locality"] = locality
     return RedisEntryOptions(
         keys=keys, url=url, redis=redis, locality=locality, password_in_entry=password_in_entry
     )
+
+
+def entry_auth_key(where: str, auth_key_file: str | None) -> AuthKey | None:
+    """A tier entry's MAC key: from its ``auth_key_file``, else ``$TIERING_AUTH_KEY`` if set
+    (never a secret in the entry, which vLLM logs); a bad one is a `ConfigError` with
+    ``where`` (the tier) in front."""
+    try:
+        return AuthKey.load(auth_key_file)
+    except ConfigError as exc:
+        source = "'auth_key_file'" if auth_key_file is not None else "$TIERING_AUTH_KEY"
+        raise ConfigError(f"{where}{source}: {exc}") from None
 
 
 def _url(where: str, keys: RedisEntry) -> tuple[str, bool]:
@@ -180,22 +192,176 @@ def _url(where: str, keys: RedisEntry) -> tuple[str, bool]:
     return resolved, in_entry
 
 
-class MetricsExtra(msgspec.Struct, frozen=True, kw_only=True):
-    """``metrics_port`` (None: no metrics server) and ``metrics_host`` (loopback)."""
+#: The key path of a ``kv_connector_extra_config`` key, as errors name it.
+_EXTRA = "kv_connector_extra_config"
+#: The cache policies and transfer backends of `TieringSpec`.
+_POLICIES = f"one of {', '.join(POLICY_NAMES)}"
+_BACKENDS = ("auto", "cpu", "cuda")
+_PORT = "a port from 0 to 65535 (0: any free one)"
+#: An integer as vLLM reads one with ``int()``: an int, or a string of one (not a
+#: float: vLLM would cut 2.7 to 2).
+_VllmCount = Annotated[
+    Annotated[int, Meta(ge=1)] | str | None, Meta(description="a positive integer")
+]
+_VllmSize = Annotated[Annotated[int, Meta(ge=0)] | str, Meta(description="a non-negative integer")]
+_BYTES = "a positive number of bytes"
+#: vLLM's own ``--kv-offloading-size`` (GiB) writes ``cpu_bytes_to_use`` as a float
+#: (``size * (1 << 30)``), which its spec cuts with ``int()``: a float is taken so too.
+_VllmBytes = Annotated[
+    Annotated[int, Meta(ge=1)] | Annotated[float, Meta(ge=1, le=2.0**63)] | str | None,
+    Meta(description=_BYTES),
+]
+#: vLLM's integer keys: the least value, and what a right one is in words.
+_VLLM_INTS = {
+    "block_size": (1, "a positive integer"),
+    "blocks_per_chunk": (1, "a positive integer"),
+    "cpu_bytes_to_use": (1, _BYTES),
+    "sync_load_budget_bytes": (0, "a non-negative integer"),
+    "store_threshold": (0, "a non-negative integer"),
+}
+#: vLLM's keys that another spec reads, not `TieringSpec`: what reads each.
+_OTHER_SPECS = {
+    "cache_policy_module_path": "vLLM's CPUOffloadingSpec (the module of its policy class)",
+    "max_tracker_size": "vLLM's CPUOffloadingSpec (the tracker of its store_threshold)",
+    "tier_poll_interval_s": "vLLM's TieringOffloadingSpec (its tier-poll thread)",
+    "backpressure": "vLLM's TieringOffloadingSpec (its tiers' back-pressure)",
+}
 
-    metrics_port: (
-        Annotated[int, Meta(ge=0, le=65535, description="a port from 0 to 65535 (0: any free one)")]
-        | None
-    ) = None
-    metrics_host: Annotated[str, Meta(min_length=1, description="a host address")] = "127.0.0.1"
+
+class TieringSpecKeys(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The whole ``kv_connector_extra_config`` of `TieringSpec`, decoded strictly.
+
+    tiering's own keys: ``eviction_policy`` (one of `POLICY_NAMES`; vLLM's
+    ``CPUOffloadingSpec`` reads the same key as the name of one of *its*
+    policies), ``transfer_backend``, ``metrics_port`` and ``metrics_host``.
+    vLLM's own keys (`tiering.extra_config.VLLM_EXTRA_KEYS`) are typed as vLLM
+    reads them: an integer is an int or a string of one (vLLM's ``int()``; a
+    float, which vLLM would cut, is refused, but for ``cpu_bytes_to_use``, which
+    vLLM's own ``--kv-offloading-size`` writes as one), a flag is ``true`` or
+    ``false`` (vLLM's ``bool()`` takes the string ``"false"`` for true). Those
+    that only another spec reads (`_OTHER_SPECS`) pass untouched, as vLLM's own
+    keys do; `unread` says which are set, for `TieringSpec` to warn that under
+    it they do nothing. An unknown key is refused with the key it may misspell.
+    ``secondary_tiers`` is a list of entries, each decoded by `TieringSpec` (its
+    tier's own Struct).
+    """
+
+    # tiering's own
+    eviction_policy: Annotated[str, Meta(description=_POLICIES)] = DEFAULT_POLICY
+    transfer_backend: Annotated[str, Meta(description="'auto', 'cpu' or 'cuda'")] = "auto"
+    metrics_port: Annotated[int, Meta(ge=0, le=65535, description=_PORT)] | None = None
+    metrics_host: Annotated[str, Meta(min_length=1, description="a host address")] | (
+        UnsetType
+    ) = UNSET
+    # vLLM's own, in VLLM_EXTRA_KEYS' order
+    spec_name: str = "CPUOffloadingSpec"
+    spec_module_path: str | None = None
+    block_size: _VllmCount = None
+    blocks_per_chunk: _VllmCount = None
+    canonical_layout: bool = False
+    sync_load_budget_bytes: _VllmSize = 0
+    self_describing_kv_events: bool = False
+    offload_prompt_only: bool = True
+    cpu_bytes_to_use: _VllmBytes = None
+    cache_policy_module_path: Any = None
+    store_threshold: _VllmSize = 0
+    max_tracker_size: Any = None
+    secondary_tiers: list[dict[str, Any]] | None = None
+    tier_poll_interval_s: Any = None
+    backpressure: Any = None
+
+    def __post_init__(self) -> None:
+        for key in _VLLM_INTS:
+            if not isinstance(getattr(self, key), float):  # cpu_bytes_to_use's, checked
+                _vllm_int(key, getattr(self, key))
+        if self.cpu_bytes_to_use is None:
+            raise ConfigError(
+                f"{_where('cpu_bytes_to_use')} is missing; TieringSpec needs the host bytes of "
+                "its CPU tier, e.g. 8000000000 for 8 GB"
+            )
+        if _vllm_int("store_threshold", self.store_threshold) not in (0, 1):
+            raise ConfigError(
+                f"{_where('store_threshold')}={self.store_threshold!r}: TieringSpec stores every "
+                "chunk it is offered (its policies decide what stays); remove store_threshold, "
+                "or use vLLM's CPUOffloadingSpec for admission by reuse count"
+            )
+        policy = self.eviction_policy.removesuffix("CachePolicy")
+        if policy != self.eviction_policy and policy.lower() in POLICY_NAMES:
+            # vLLM's CPUOffloadingSpec reads this key as the name of one of its policies
+            raise ConfigError(
+                f"{_where('eviction_policy')} is {self.eviction_policy!r}, a policy class of "
+                f"vLLM's CPUOffloadingSpec; TieringSpec takes tiering's names: write "
+                f"{policy.lower()!r}"
+            )
+        _choice("eviction_policy", self.eviction_policy, POLICY_NAMES)
+        _choice("transfer_backend", self.transfer_backend, _BACKENDS)
+        if self.metrics_host is not UNSET and self.metrics_port is None:
+            raise ConfigError(
+                f"{_where('metrics_host')} is {self.metrics_host!r} but metrics_port is not "
+                "set, and without it no metrics are served: add metrics_port (e.g. 9100, or "
+                "0 for any free port), or remove metrics_host"
+            )
+
+    @property
+    def cpu_bytes(self) -> int:
+        """``cpu_bytes_to_use`` as a number of bytes (a float cut as vLLM's ``int()`` does)."""
+        if isinstance(self.cpu_bytes_to_use, float):
+            return int(self.cpu_bytes_to_use)
+        return _vllm_int("cpu_bytes_to_use", self.cpu_bytes_to_use) or 0
+
+    @property
+    def unread(self) -> tuple[str, ...]:
+        """One line for each of vLLM's keys set here that only another spec reads
+        (`_OTHER_SPECS`): under `TieringSpec` it does nothing."""
+        return tuple(
+            f"{_where(key)}={shown(getattr(self, key), key)} is read by {reader}, not by "
+            "TieringSpec: it does nothing here (remove it, or use that spec)"
+            for key, reader in _OTHER_SPECS.items()
+            if getattr(self, key) is not None
+        )
+
+    @property
+    def policy(self) -> str:
+        """``eviction_policy``, one of `POLICY_NAMES`."""
+        return self.eviction_policy.lower()
+
+    @property
+    def backend(self) -> str:
+        """``transfer_backend``: ``auto``, ``cpu`` or ``cuda``."""
+        return self.transfer_backend.lower()
+
+    @property
+    def metrics_address(self) -> tuple[str, int] | None:
+        """Where tiering's metrics are served (``metrics_host`` is loopback by default);
+        None without ``metrics_port``."""
+        if self.metrics_port is None:
+            return None
+        host = "127.0.0.1" if self.metrics_host is UNSET else self.metrics_host
+        return host, self.metrics_port
 
 
-def metrics_extra(extra: Mapping[str, Any]) -> MetricsExtra:
-    """The metrics keys of ``extra`` (vLLM's ``kv_connector_extra_config``), checked;
-    ``metrics_host`` only with a ``metrics_port`` (without one it is not read)."""
-    names = ("metrics_port", "metrics_host") if extra.get("metrics_port") is not None else ()
-    keys = {key: extra[key] for key in names if key in extra}
-    return decode(MetricsExtra, keys, where="kv_connector_extra_config")
+def spec_keys(extra: Mapping[str, Any]) -> TieringSpecKeys:
+    """``extra`` (vLLM's ``kv_connector_extra_config``) checked as `TieringSpec` reads it:
+    one `ConfigError` line naming the key, the value and what would be right."""
+    return decode(TieringSpecKeys, dict(extra), where=_EXTRA)
+
+
+def _where(key: str) -> str:
+    return f"{_EXTRA}[{key!r}]"
+
+
+def _vllm_int(key: str, value: int | str | None) -> int | None:
+    """``value`` of vLLM's integer key ``key`` as vLLM's ``int()`` reads it, checked."""
+    minimum, right = _VLLM_INTS[key]
+    return extra_int(value, key, minimum, right)
+
+
+def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value.lower() in choices:
+        return
+    close = closest_key(value, choices, cutoff=0.6)
+    hint = f"did you mean {close!r}? " if close else ""
+    raise ConfigError(f"{_where(key)} is {value!r}; {hint}choose one of {', '.join(choices)}")
 
 
 def remote_namespace(config: Any, row_bytes: int, namespace: str = "") -> RemoteNamespace:

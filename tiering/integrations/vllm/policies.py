@@ -63,6 +63,7 @@ from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus
 
 from tiering.errors import ConfigError
+from tiering.integrations.vllm.logs import adopt_vllm_logging
 from tiering.policies import POLICY_NAMES, PolicyStatistics, create_policy
 from tiering.policies import CachePolicy as OrderPolicy
 
@@ -115,6 +116,7 @@ class TieringCachePolicy(CachePolicy):
 
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
+        adopt_vllm_logging()
         # A tier of no chunks never stores; the ghost lists still need a size.
         self._order: OrderPolicy = create_policy(self.policy_name, max(1, cache_capacity))
         self._chunks: dict[OffloadKey, ChunkStatus] = {}
