@@ -38,6 +38,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import TransferJob
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tiering.errors import ConfigError
 from tiering.integrations.vllm.redis_tier import (
@@ -214,6 +215,29 @@ def test_a_prefix_only_redis_holds_is_promoted_and_loaded_byte_for_byte(model, r
         spy.shutdown()
 
 
+def test_a_second_server_on_the_namespace_is_served_what_the_first_stored(model, redis_server):
+    """Two vLLM schedulers, each with its own CPU tier, one Redis namespace between them."""
+    shared = f"shared-{uuid.uuid4().hex}"
+    first = Spy(make_engine(model, redis_server.url, namespace=shared))
+    second = Spy(make_engine(model, redis_server.url, namespace=shared))
+    try:
+        first.fill(seed=4)
+        assert first.run(PROMPT_A) == 0
+        assert first.tier.wait_idle(10)
+        first.engine.run()
+        assert first.tier.statistics().redis.writes_total == 16
+        second.rows[:] = 0  # nothing of A in the second server's CPU tier
+        assert second.run(PROMPT_A) == 256  # every block, from what the first stored
+        assert set(second.loaded) == set(first.stored)
+        for key, chunk in second.loaded.items():
+            assert second.rows[chunk].tobytes() == first.stored[key]
+        assert second.tier.statistics().redis.reads_total == 16
+        assert second.tier.cache_hit_source is CacheHitSource.EXTERNAL_UNSPECIFIED
+    finally:
+        second.shutdown()
+        first.shutdown()
+
+
 def test_lookup_is_retry_until_redis_answers_and_bounded_in_flight(model, redis_server):
     engine = make_engine(model, redis_server.url, max_lookups_in_flight=2)
     spy = Spy(engine)
@@ -324,7 +348,12 @@ def test_shutdown_stops_the_tiers_thread_and_is_idempotent(model, redis_server):
     spy.run(PROMPT_A)
     assert [t for t in threading.enumerate() if t.ident not in before]  # the tier's loop
     spy.shutdown()
-    assert [t for t in threading.enumerate() if t.ident not in before and t.is_alive()] == []
+    # The loop's own thread is joined; anyio's worker threads are told to stop as the
+    # loop ends, and end a moment later (anyio does not join them).
+    deadline = time.monotonic() + 5
+    while [t for t in threading.enumerate() if t.ident not in before and t.is_alive()]:
+        assert time.monotonic() < deadline, threading.enumerate()
+        time.sleep(0.01)
     assert spy.tier.statistics().state == "closed"
     assert spy.tier.statistics().redis.state == "closed"
     spy.tier.shutdown()  # again: nothing to do

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from tiering._extras import require
 from tiering.errors import ConfigError
 from tiering.secondary.base import describe
 from tiering.secondary.redis.resp import ErrorReply
 
-__all__ = ["RedisErrors", "config_error", "error_from_reply", "errors"]
+__all__ = ["RedisErrors", "config_error", "error_from_reply", "errors", "what_to_check"]
 
 #: An error code and the ``redis.exceptions`` class redis-py gives it.
 _CLASSES = {
@@ -51,8 +52,7 @@ class RedisErrors:
     """redis-py's exception classes, sorted by what they mean for the tier."""
 
     def __init__(self) -> None:
-        from redis import exceptions as rx
-
+        rx = require("redis.exceptions", "redis", "the Redis tier")
         self.rx = rx
         #: The store is away: the tier goes down.
         self.unavailable: tuple[type[BaseException], ...] = (
@@ -135,3 +135,25 @@ def config_error(url: str, exc: BaseException, password: str | None = None) -> C
     elif url.startswith("redis://") and any(w in text for w in _CLOSED_WORDS):
         hint = "; if the server speaks TLS on this port, use rediss:// instead of redis://"
     return ConfigError(f"cannot reach the Redis tier at {url}: {text}{hint}")
+
+
+#: Words of a host name that does not resolve, as the C library says it.
+_UNRESOLVED_WORDS = ("Name or service not known", "nodename nor servname", "name resolution")
+
+
+def what_to_check(url: str, text: str) -> str:
+    """What an operator should check, for the failure ``text`` of the tier at ``url``
+    (empty where ``text`` says it already: `config_error`'s hints)."""
+    if "instead of redis" in text:
+        return ""
+    if any(w in text for w in _AUTH_WORDS) or "AuthenticationError" in text:
+        return "check the user and password (password_file, or the URL in url_env)"
+    if any(w in text for w in _UNRESOLVED_WORDS):
+        return "the host name does not resolve: check the host in the URL"
+    if "refused" in text.lower():
+        return "check that the server runs and listens at the URL's host and port"
+    if url.startswith("rediss://") and ("SSL" in text or "Timeout" in text):
+        return "the TLS handshake failed: check that the port speaks TLS (redis:// if not)"
+    if url.startswith("redis://") and any(w in text for w in _CLOSED_WORDS):
+        return "the server closed the connection: if it speaks TLS, use rediss://"
+    return "check the server, the network path to it and timeout_s"

@@ -51,6 +51,7 @@ import anyio
 import anyio.lowlevel
 
 from tiering._closing import AsyncLifecycle
+from tiering._extras import require
 from tiering._state import ResourceState
 from tiering._types import OffloadKey
 from tiering.errors import ConfigError
@@ -66,6 +67,7 @@ from tiering.secondary.codec import ChunkCodec, RemoteNamespace, payload_row, wr
 from tiering.secondary.health import Admission, HealthGate, TierState
 from tiering.secondary.redis.address import URL_ENV, parse_url, redact_url, resolve_url
 from tiering.secondary.redis.answer import Answer, Row, Work
+from tiering.secondary.redis.failures import what_to_check
 from tiering.secondary.redis.options import RedisOptions, decode_options
 from tiering.secondary.redis.wire import Guard, RedisWire
 from tiering.secondary.refusals import Unwritten
@@ -109,13 +111,15 @@ class RedisTier(ThreadedTier, SecondaryTier):
       values are written with a tag under it and only values with a valid one
       are read (`tiering.secondary.codec`).
 
-    Constructing does no I/O; the first call connects. `open` connects now
-    and reports a wrong URL, credentials or server as `ConfigError`.
+    Constructing does no I/O (redis-py missing is a `ConfigError` naming the
+    ``redis`` extra); the first call connects. `open` connects now and reports a
+    wrong URL, credentials or server as `ConfigError`.
     """
 
     name = "redis"
 
     def __init__(self, url: str, namespace: RemoteNamespace, **options: Any) -> None:
+        require("redis", "redis", "the Redis tier")  # now, not at its first call
         settings = decode_options(options)
         address, plain_url, cluster = parse_url(url, settings.cluster)
         #: The server's URL without its password: safe to log and show.
@@ -172,17 +176,37 @@ class RedisTier(ThreadedTier, SecondaryTier):
             return ResourceState.CLOSED
         return TierState.DOWN if self._wire.nodes_down() else self._health.state
 
-    async def connect(self) -> None:
-        """Connect now (detecting a cluster) and PING; raise `ConfigError` naming what is wrong."""
+    async def connect(self, *, warn: bool = False) -> None:
+        """Connect now (detecting a cluster) and PING; raise `ConfigError` naming what is wrong.
+
+        A failure takes the tier down (calls then miss until a probe finds the
+        server); ``warn`` also logs that, as a failed call would, for a caller
+        that goes on without the server (an engine's start) rather than report it.
+        """
         self._life.check_open()
-        with anyio.move_on_after(self.timeout_s + self.options.connect_s) as scope:
-            await anyio.to_thread.run_sync(
-                self._wire.ping, abandon_on_cancel=True, limiter=self._calls.limiter
-            )
-        if scope.cancelled_caught:
-            raise ConfigError(
-                f"cannot reach the Redis tier at {self.url}: no answer within {self.timeout_s} s"
-            )
+        admission = self._health.admit()  # the tier's health learns what the ping found
+        try:
+            with anyio.move_on_after(self.timeout_s + self.options.connect_s) as scope:
+                await anyio.to_thread.run_sync(
+                    self._wire.ping, abandon_on_cancel=True, limiter=self._calls.limiter
+                )
+            if scope.cancelled_caught:
+                raise ConfigError(
+                    f"cannot reach the Redis tier at {self.url}: no answer within "
+                    f"{self.timeout_s} s"
+                )
+        except ConfigError as exc:
+            if admission is not None:
+                # The line names the tier and its URL already: the reason alone.
+                reason = str(exc).removeprefix(f"cannot reach the Redis tier at {self.url}: ")
+                self._failed(admission, reason, warn=warn)
+            raise
+        except BaseException:
+            if admission is not None:
+                self._health.release(admission)
+            raise
+        if admission is not None:
+            self._up_again(admission)
 
     def sync_client(self) -> Any:
         """A redis-py client of the tier's server (blocking: connects on first use).
@@ -348,8 +372,8 @@ class RedisTier(ThreadedTier, SecondaryTier):
         if answer.unavailable is not None:
             c.timeouts_total += answer.timed_out
             self._failed(admission, answer.unavailable)
-        elif self._health.succeeded(admission):
-            c.reconnects_total += 1
+        else:
+            self._up_again(admission)
         return Unwritten.TIMEOUT if answer.timed_out else Unwritten.FAILED
 
     def _writes_answered(self, admission: Admission, answer: Answer[Any] | None) -> None:
@@ -378,9 +402,24 @@ class RedisTier(ThreadedTier, SecondaryTier):
                 message,
             )
 
-    def _failed(self, admission: Admission, message: str) -> None:
+    def _failed(self, admission: Admission, message: str, *, warn: bool = True) -> None:
+        """A call could not reach the server: counted; one line when that took the tier
+        down (the server is probed again with backoff, no line per call meanwhile)."""
         self._counters.error(message)
-        self._health.failed(admission)
+        if self._health.failed(admission) and warn:
+            check = what_to_check(self.url, message)
+            logger.warning(
+                "Redis tier at %s is down: %s%s. Until it answers, its lookups miss and "
+                "its writes are dropped, without I/O (retried with backoff)",
+                self.url,
+                message,
+                f"; {check}" if check else "",
+            )
+
+    def _up_again(self, admission: Admission) -> None:
+        if self._health.succeeded(admission):
+            self._counters.reconnects_total += 1
+            logger.warning("Redis tier at %s answers again", self.url)
 
     def __repr__(self) -> str:
         c = self._counters
