@@ -20,6 +20,15 @@ machine is noisy; the ratio is taken within one run).
 Targets (issue #18): tiering's scheduler-side cost <= 1.0x native's with LRU;
 hit tokens with the default policy >= 1.25x native LRU's at 3,000,000 tokens.
 
+Then the lower tiers (``bench/_vllm_lower.py``; ``--no-lower-tiers`` skips them):
+Redis (a redis-server of the run's own) and the disk (a temporary folder), each
+under ``TieringSpec`` and under vLLM's ``TieringOffloadingSpec``. Reported: the
+scheduler steps from a request's first lookup to its load, and from the tier's
+answer to its load (median and worst), for prefixes of 32 chunks and more that
+only the tier holds; and the hit tokens of the first ``--lower-requests``
+requests of the trace with a CPU tier of ``--lower-capacity-tokens`` alone and
+over each lower tier. Target (issue #28): the load within 2 steps of the answer.
+
     PYTHONPATH=.vllm-env/site python bench/vllm.py [--requests N] [--rounds R] [--json]
 """
 
@@ -55,6 +64,15 @@ def main() -> None:
     parser.add_argument("--capacity-tokens", type=int, default=3_000_000)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    lower = parser.add_argument_group("lower tiers (Redis, disk)")
+    lower.add_argument("--no-lower-tiers", action="store_true", help="skip their runs")
+    lower.add_argument(
+        "--lower-prefixes", type=int, default=8, help="prefixes of 32+ chunks to promote"
+    )
+    lower.add_argument(
+        "--lower-requests", type=int, default=1000, help="first N requests of the trace"
+    )
+    lower.add_argument("--lower-capacity-tokens", type=int, default=1_000_000)
     args = parser.parse_args()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # vLLM's imports warn about their own affairs
@@ -62,6 +80,7 @@ def main() -> None:
     import logging
 
     logging.getLogger("vllm").setLevel(logging.ERROR)
+    logging.getLogger("tiering").setLevel(logging.ERROR)  # a lower tier's drops are counted
     prompts = harness.trace_prompts(harness.TRACE, args.requests)
     keys = sum(len(p) for p in prompts) // 16
     chunks = args.capacity_tokens // harness.TRACE_BLOCK_TOKENS
@@ -108,6 +127,19 @@ def main() -> None:
         "cost_met": cost <= COST_TARGET,
         "hits_met": hits >= HIT_TARGET,
     }
+    lower_tiers = None
+    if not args.no_lower_tiers:
+        from bench import _vllm_lower
+
+        lower_tiers = _vllm_lower.run(
+            harness,
+            model,
+            prefixes=args.lower_prefixes,
+            requests=args.lower_requests,
+            capacity_tokens=args.lower_capacity_tokens,
+        )
+        verdict["promotion_target"] = _vllm_lower.PROMOTION_TARGET
+        verdict["promotion_met"] = lower_tiers["met"]
     summary = {
         "requests": len(prompts),
         "keys": keys,
@@ -115,6 +147,7 @@ def main() -> None:
         "chunks": chunks,
         "rows": rows,
         "verdict": verdict,
+        "lower_tiers": lower_tiers,
     }
     if args.json:
         print(json.dumps(summary, indent=2))
@@ -138,7 +171,10 @@ def main() -> None:
             f"{hits:.3f}x native LRU (target >= {HIT_TARGET}): "
             f"{'met' if verdict['hits_met'] else 'NOT met'}"
         )
-    if not all(verdict[k] for k in ("cost_met", "hits_met", "lru_hits_equal")):
+        if lower_tiers is not None:
+            _vllm_lower.report(lower_tiers)
+    met = ("cost_met", "hits_met", "lru_hits_equal", "promotion_met")
+    if not all(verdict.get(k, True) for k in met):
         raise SystemExit(1)
 
 

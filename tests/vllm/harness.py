@@ -80,10 +80,12 @@ def write_model(folder: Path, **overrides: Any) -> Path:
     return folder
 
 
-def attention_spec(block_size: int = 16) -> FullAttentionSpec:
+def attention_spec(block_size: int = 16, tp: int = 1) -> FullAttentionSpec:
+    """One worker's attention spec at tensor-parallel size ``tp`` (its share of the KV
+    heads, as vLLM splits them: at least one)."""
     return FullAttentionSpec(
         block_size=block_size,
-        num_kv_heads=MODEL["num_key_value_heads"],
+        num_kv_heads=max(1, MODEL["num_key_value_heads"] // tp),
         head_size=MODEL["head_dim"],
         dtype=torch.float16,
     )
@@ -100,6 +102,7 @@ def build_vllm_config(
     kv_events: KVEventsConfig | None = None,
     connector: str = "OffloadingConnector",
     enable_prefix_caching: bool = True,
+    tp: int = 1,
 ) -> VllmConfig:
     config = VllmConfig(
         model_config=ModelConfig(
@@ -123,14 +126,18 @@ def build_vllm_config(
     )
     # What the engine core resolves from its workers' attention backends.
     config.cache_config.kv_cache_layout = "LBNHC"
+    if tp > 1:  # tensor parallel on one node: the scheduler is rank 0's, as in vLLM
+        config.parallel_config.tensor_parallel_size = tp
+        config.parallel_config.world_size = tp
     return config
 
 
 def build_kv_cache_config(
     vllm_config: VllmConfig, num_gpu_blocks: int, block_size: int = 16
 ) -> KVCacheConfig:
-    """The scheduler's KV cache config, from vLLM's planner, for ``num_gpu_blocks`` blocks."""
-    spec = attention_spec(block_size)
+    """The scheduler's KV cache config, from vLLM's planner, for ``num_gpu_blocks`` blocks
+    (each worker's, at the config's tensor-parallel size)."""
+    spec = attention_spec(block_size, vllm_config.parallel_config.tensor_parallel_size)
     specs = [dict.fromkeys(LAYERS, spec)]
     groups = get_global_kv_cache_groups(vllm_config, specs)
     memory = spec.page_size_bytes * len(LAYERS) * num_gpu_blocks
@@ -140,9 +147,10 @@ def build_kv_cache_config(
     return config
 
 
-def block_pattern(block_hash: bytes, layer: int, page_bytes: int) -> torch.Tensor:
-    """The bytes the fake model writes in every page of a full block: its hash, repeated."""
-    seed = block_hash + layer.to_bytes(2, "big")
+def block_pattern(block_hash: bytes, layer: int, page_bytes: int, rank: int = 0) -> torch.Tensor:
+    """The bytes the fake model writes in every page of a full block: its hash, repeated
+    (and the worker's rank beyond rank 0: each rank's pages of a block differ)."""
+    seed = block_hash + layer.to_bytes(2, "big") + (rank.to_bytes(2, "big") if rank else b"")
     reps = -(-page_bytes // len(seed))
     return torch.frombuffer(bytearray(seed * reps), dtype=torch.uint8)[:page_bytes]
 
@@ -166,6 +174,7 @@ class FakeModel:
 
         self.num_blocks = kv_cache_config.num_blocks
         self.block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+        self.rank = vllm_config.parallel_config.rank
         self.pages: dict[str, torch.Tensor] = {}
         self._buffers = []
         for placement in kv_cache_config.kv_cache_tensors:
@@ -212,17 +221,18 @@ class FakeModel:
             for j in range(before // self.block_size):
                 expected = bytes(request.block_hashes[j])
                 for layer, (name, page) in enumerate(self.pages.items()):
-                    want = block_pattern(expected, layer, page.shape[1])
+                    want = block_pattern(expected, layer, page.shape[1], self.rank)
                     if not torch.equal(page[block_ids[j]], want):
                         raise AssertionError(
-                            f"request {req_id}: block {j} (GPU block {block_ids[j]}) of layer "
+                            f"request {req_id}: rank {self.rank}'s block {j} (GPU block "
+                            f"{block_ids[j]}) of layer "
                             f"{name} does not hold its KV: corrupt or not loaded"
                         )
                     self.verified_blocks += 1
 
     def _write(self, block_id: int, block_hash: bytes) -> None:
         for layer, page in enumerate(self.pages.values()):
-            page[block_id] = block_pattern(block_hash, layer, page.shape[1])
+            page[block_id] = block_pattern(block_hash, layer, page.shape[1], self.rank)
 
     def run(self, metadata: Any) -> KVConnectorOutput | None:
         """One step of vLLM's worker-side connector calls, in the runner's order."""
@@ -251,8 +261,10 @@ class Engine:
     block_hasher: Any
     #: Moves the bytes of the jobs when given (vLLM's worker calls, in its order).
     worker: OffloadingWorker | None = None
-    #: vLLM's worker-side connector with real KV pages (`attach_model`).
+    #: vLLM's worker-side connector with real KV pages (`attach_model`): rank 0's.
     model: FakeModel | None = None
+    #: Every worker's, by rank (`attach_model`; one at tensor-parallel size 1).
+    models: list[FakeModel] = field(default_factory=list)
     steps: int = 0
     #: Prompt tokens the connector served, and those it was asked for (what the GPU
     #: prefix cache did not have), from vLLM's own connector prefix-cache stats.
@@ -263,10 +275,15 @@ class Engine:
     scheduler_seconds: float = 0.0
     #: The connector's counters as vLLM's metrics got them (``kv_connector_stats``), summed.
     counters: dict[str, float] = field(default_factory=dict)
+    #: The same counters by their label values (``(name, labels)``, e.g. a tier's label).
+    labelled: dict[tuple[str, tuple[str, ...]], float] = field(default_factory=dict)
+    #: vLLM's connector stats payloads as its metrics loggers get them, in order.
+    payloads: list[dict[str, Any]] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
     _ids: Iterable[int] = field(default_factory=itertools.count)
     _pending: dict[int, str | None] = field(default_factory=dict)  # job -> req (loads)
     _deferred_stores: list[tuple[int, Any, Any]] = field(default_factory=list)
+    _aggregator: Any = None  # vLLM's KVOutputAggregator over the workers, at TP > 1
 
     @property
     def connector(self) -> Any:
@@ -290,11 +307,15 @@ class Engine:
                 self.queried_tokens += connector.queries + connector.preempted_queries
             payload = stats.kv_connector_stats if stats is not None else None
             if payload:  # what vLLM's metrics receive from the connector: counters add up
+                self.payloads.append(payload)
                 types, values = payload.get("types", {}), payload.get("data", {})
                 for name, by_labels in values.items():
                     if types.get(name) == "counter":
                         total = sum(by_labels.values())
                         self.counters[name] = self.counters.get(name, 0) + total
+                        for labels, value in by_labels.items():
+                            at = (name, tuple(labels))
+                            self.labelled[at] = self.labelled.get(at, 0) + value
 
     def add(
         self, prompt: Sequence[int], *, max_tokens: int = 1, req_id: str | None = None
@@ -310,19 +331,52 @@ class Engine:
         return request
 
     def attach_model(self) -> FakeModel:
-        """Move real bytes from now on: vLLM's worker connector over CPU KV pages."""
-        self.model = FakeModel(self.vllm_config, copy.deepcopy(self.kv_cache_config))
+        """Move real bytes from now on: vLLM's worker connector over CPU KV pages, one per
+        worker (rank) at the config's world size; returns rank 0's."""
+        self.models = []
+        for rank in range(self.vllm_config.parallel_config.world_size):
+            config = self.vllm_config
+            if rank:  # each worker's own config: its rank
+                config = copy.deepcopy(self.vllm_config)
+                config.parallel_config.rank = rank
+            self.models.append(FakeModel(config, copy.deepcopy(self.kv_cache_config)))
+        self.model = self.models[0]
         return self.model
+
+    def _run_models(self, output: Any) -> KVConnectorOutput | None:
+        """Every worker's step, their outputs aggregated by vLLM's own `KVOutputAggregator`
+        (a job completes once every worker has reported it)."""
+        if len(self.models) == 1:
+            connector_output = self.models[0].run(output.kv_connector_metadata)
+            self.models[0].verify(self.scheduler, output)
+            self.models[0].forward(self.scheduler, output)
+            return connector_output
+        from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+
+        outputs = []
+        for rank, model in enumerate(self.models):
+            metadata = output.kv_connector_metadata
+            # Each worker gets its own copy of the step's metadata, as over vLLM's RPC.
+            connector_output = model.run(metadata if not rank else copy.deepcopy(metadata))
+            model.verify(self.scheduler, output)
+            model.forward(self.scheduler, output)
+            outputs.append(
+                ModelRunnerOutput(
+                    req_ids=[], req_id_to_index={}, kv_connector_output=connector_output
+                )
+            )
+        if self._aggregator is None:
+            self._aggregator = KVOutputAggregator(len(self.models))
+        merged = self._aggregator.aggregate(outputs).kv_connector_output  # type: ignore[union-attr]
+        return None if merged is None or merged.is_empty() else merged
 
     def step(self) -> Any:
         """One engine step: schedule, "run the model", update. Returns the SchedulerOutput."""
         started = time.perf_counter()
         output = self.scheduler.schedule()
         self.scheduler_seconds += time.perf_counter() - started
-        if self.model is not None:
-            connector_output = self.model.run(output.kv_connector_metadata)
-            self.model.verify(self.scheduler, output)
-            self.model.forward(self.scheduler, output)
+        if self.models:
+            connector_output = self._run_models(output)
         else:
             connector_output = self._run_worker(output.kv_connector_metadata)
         req_ids = list(output.num_scheduled_tokens)

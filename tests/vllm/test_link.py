@@ -26,12 +26,17 @@ class ScriptedTier:
 
     def __init__(self) -> None:
         self.held: set[OffloadKey] = set()
+        self.unknown: set[OffloadKey] = set()  # answered RETRY: the tier does not know yet
+        self.events: list[Any] = []
+        self.locality = None
         self.stores: list[TransferJob] = []
         self.loads: list[TransferJob] = []
         self.finished: list[JobResult] = []
         self.drained = 0
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        if key in self.unknown:
+            return LookupResult.RETRY
         return LookupResult.HIT if key in self.held else LookupResult.MISS
 
     def submit_store(self, job: TransferJob) -> None:
@@ -56,11 +61,18 @@ class ScriptedTier:
     def on_schedule_end(self, context: Any) -> None:
         pass
 
+    def get_stats(self) -> None:
+        return None
+
+    def take_events(self) -> list[Any]:
+        events, self.events = self.events, []
+        return events
+
 
 def linked(capacity: int = 8) -> tuple[CPUOffloadingManager, ScriptedTier, SecondaryLink]:
     manager = CPUOffloadingManager(capacity, "lru")
     tier = ScriptedTier()
-    return manager, tier, SecondaryLink(manager, lambda: tier)  # type: ignore[arg-type]
+    return manager, tier, SecondaryLink(manager, lambda: [tier])  # type: ignore[list-item]
 
 
 def land(manager: CPUOffloadingManager, *ids: int) -> list[OffloadKey]:
@@ -136,6 +148,120 @@ def test_a_reset_settles_what_is_out_and_fences_until_flushed() -> None:
     assert len(tier.stores) == 2
 
 
+def chained(capacity: int = 16) -> tuple[CPUOffloadingManager, list[ScriptedTier], SecondaryLink]:
+    """A CPU tier over two tiers (a disk, then a Redis, say)."""
+    manager = CPUOffloadingManager(capacity, "lru")
+    tiers = [ScriptedTier(), ScriptedTier()]
+    labels = ("1:DiskSecondaryTier", "2:RedisSecondaryTier")
+    return manager, tiers, SecondaryLink(manager, lambda: tiers, labels)  # type: ignore[arg-type,return-value]
+
+
+def test_a_landed_batch_is_written_to_every_tier_each_within_its_share() -> None:
+    manager, (disk, redis), link = chained(capacity=16)  # each tier may pin 4 (16 / 2 / 2)
+    link.landed(land(manager, 0, 1, 2), CONTEXT)
+    assert [list(j.keys) for j in disk.stores] == [list(j.keys) for j in redis.stores] == [KEYS[:3]]
+    disk.finish(disk.stores[0])
+    link.collect()
+    link.landed(land(manager, 3, 4), CONTEXT)  # Redis still pins 3: 5 is past its 4
+    assert (len(disk.stores), len(redis.stores)) == (2, 1)
+    assert link.statistics(0)["cascade_dropped"] == 0
+    assert link.statistics(1)["cascade_dropped"] == 2
+    assert link.statistics()["cascade_pinned"] == 2 + 3
+
+
+def test_a_chunk_comes_from_the_first_tier_that_holds_it_and_is_written_up() -> None:
+    manager, (disk, redis), link = chained()
+    disk.held.add(KEYS[0])
+    redis.held.update(KEYS[:3])
+    disk.unknown.add(KEYS[2])  # the disk has not answered yet for the third
+    answers = [link.lookup(key, CONTEXT) for key in KEYS[:4]]
+    assert answers == [LookupResult.RETRY] * 3 + [LookupResult.MISS]
+    link.on_schedule_end(None)
+    ((from_disk,), (from_redis,)) = disk.loads, redis.loads
+    assert list(from_disk.keys) == [KEYS[0]]
+    assert list(from_redis.keys) == [KEYS[1]]  # the third waits for the disk's answer
+    assert from_disk.job_id == from_redis.job_id  # one promotion, read by two tiers
+    disk.finish(from_disk)
+    link.collect()
+    assert not manager.holds(KEYS[0], ready=True)  # settled once every tier has read
+    redis.finish(from_redis)
+    link.collect()
+    assert manager.holds(KEYS[0], ready=True)
+    assert manager.holds(KEYS[1], ready=True)
+    (write_up,) = disk.stores  # Redis gave the second: written up to the disk, which lacked it
+    assert list(write_up.keys) == [KEYS[1]]
+    assert (link.statistics(0)["promoted"], link.statistics(1)["promoted"]) == (1, 1)
+    disk.unknown.clear()
+    assert link.lookup(KEYS[2], CONTEXT) is LookupResult.RETRY  # now the disk says miss...
+    link.on_schedule_end(None)
+    assert [list(job.keys) for job in redis.loads[1:]] == [[KEYS[2]]]  # ...and Redis gives it
+
+
+def test_a_promotion_a_reset_settles_writes_nothing_up_from_rows_being_freed() -> None:
+    """A chunk Redis gave, settled by the reset's drain, is not written up to the disk: the
+    reset frees its slot, and a store job would read the row while vLLM reuses it (a value
+    of another chunk's bytes, checksummed, under this chunk's key)."""
+    manager, (disk, redis), link = chained()
+    redis.held.add(KEYS[0])
+    assert link.lookup(KEYS[0], CONTEXT) is LookupResult.RETRY
+    link.on_schedule_end(None)
+    (load,) = redis.loads
+    redis.finish(load)  # read while vLLM resets: the drain ends it
+    link.reset()
+    manager.reset(force=True)
+    assert disk.stores == []  # nothing submitted that reads a row after the reset
+    assert not link.has_pending_work()
+    assert manager.statistics().pinned == 0
+
+
+def test_vllms_metrics_get_each_tiers_counts_under_its_label() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+        OffloadingConnectorStats,
+    )
+
+    from tiering.integrations.vllm.link import CascadeMetrics
+
+    manager, (disk, redis), link = chained()
+    redis.held.add(KEYS[5])
+    mine, other = ReqContext(req_id="mine"), ReqContext(req_id="other")
+    for context in (mine, mine, other):  # a request's lookups of a chunk count once
+        link.lookup(KEYS[5], context)
+        link.lookup(KEYS[6], context)
+    link.landed(land(manager, 0), CONTEXT)
+    stats = link.add_stats(OffloadingConnectorStats())
+    values = stats.data["data"]  # vLLM's payload: {name: {label values: count}}
+    # KEYS[5] was being promoted when "other" asked: answered at once, no tier asked.
+    assert values[CascadeMetrics.QUERIES] == {
+        ("1:DiskSecondaryTier",): 3,
+        ("2:RedisSecondaryTier",): 3,
+    }
+    assert values[CascadeMetrics.HITS] == {("2:RedisSecondaryTier",): 1}
+    assert CascadeMetrics.WRITTEN not in values  # nothing written yet: no zero increments
+    disk.finish(disk.stores[0])
+    link.collect()
+    again = link.add_stats(OffloadingConnectorStats()).data["data"]
+    assert again[CascadeMetrics.WRITTEN] == {("1:DiskSecondaryTier",): 1}
+
+
+def test_each_tiers_losses_are_one_line_a_minute_with_the_counts(caplog) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+        OffloadingConnectorStats,
+    )
+
+    manager, (_disk, _redis), link = chained(capacity=8)  # each tier may pin 2
+    link.landed(land(manager, 0, 1, 2), CONTEXT)  # past both shares: dropped for both
+    with caplog.at_level("WARNING", logger="tiering.integrations.vllm.link"):
+        link.add_stats(OffloadingConnectorStats())
+        link.landed(land(manager, 3, 4, 5), CONTEXT)
+        link.add_stats(OffloadingConnectorStats())  # within the minute: not said again
+    lines = [r.getMessage() for r in caplog.records if r.name == "tiering.integrations.vllm.link"]
+    assert [line.split(" lost")[0] for line in lines] == [
+        "secondary tier 1:DiskSecondaryTier",
+        "secondary tier 2:RedisSecondaryTier",
+    ]
+    assert "3 chunks not written through (dropped" in lines[0]
+
+
 @pytest.mark.parametrize("name", ["CascadeMetrics", "SecondaryLink"])
 def test_the_old_module_path_warns_and_gives_the_links_names(name: str) -> None:
     import tiering.integrations.vllm.cascade as old
@@ -146,3 +272,32 @@ def test_the_old_module_path_warns_and_gives_the_links_names(name: str) -> None:
         match=f"vllm.cascade.{name} is deprecated; use tiering.integrations.vllm.link.{name}",
     ):
         assert getattr(old, name) is getattr(link, name)
+
+
+def test_without_any_workers_rows_the_link_says_so_once_and_looks_once_a_second(
+    caplog, monkeypatch
+) -> None:
+    """A scheduler on a node that runs none of its workers: one warning, not a /dev/shm
+    sweep at every lookup for ever."""
+    import tiering.integrations.vllm.link as link_module
+
+    clock = [100.0]
+    monkeypatch.setattr(link_module.time, "monotonic", lambda: clock[0])
+    looks: list[float] = []
+
+    def factory() -> None:
+        looks.append(clock[0])
+
+    link = SecondaryLink(CPUOffloadingManager(8, "lru"), factory)
+    with caplog.at_level("WARNING", logger="tiering.integrations.vllm.link"):
+        for _ in range(3):  # while vLLM starts: every call looks
+            assert link._ready() == ()
+        clock[0] += link_module.POOL_WAIT_S
+        for _ in range(5):  # past the wait: one look, then none within the second
+            assert link._ready() == ()
+        clock[0] += 1.0
+        assert link._ready() == ()
+    assert len(looks) == 5
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1
+    assert "no worker of this engine has shared its CPU-tier rows" in warnings[0]

@@ -13,7 +13,8 @@ name                        what vLLM does with it
 ``TieringSpec``             ``spec_name``: an ``OffloadingSpec``
 ``ASLRUCachePolicy``, ...   ``eviction_policy``: a CPU-tier ``CachePolicy``
                             (one per policy of ``POLICY_NAMES``)
-``RedisSecondaryTier``      a ``secondary_tiers`` entry's ``type``
+``RedisSecondaryTier``,     a ``secondary_tiers`` entry's ``type``
+``DiskSecondaryTier``
 ==========================  =============================================
 """
 
@@ -30,6 +31,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers only
         from_vllm_offloading_config,
         is_kv_cache_tensor_packed,
     )
+    from tiering.integrations.vllm.disk_tier import DiskSecondaryTier
     from tiering.integrations.vllm.manager import TieringOffloadingManager
     from tiering.integrations.vllm.policies import vllm_policy_name
     from tiering.integrations.vllm.redis_tier import RedisSecondaryTier
@@ -51,9 +53,11 @@ _EXPORTS: dict[str, str] = {
     **dict.fromkeys(_POLICY_CLASS_NAMES, "policies"),
     "vllm_policy_name": "policies",
     "RedisSecondaryTier": "redis_tier",
+    "DiskSecondaryTier": "disk_tier",
 }
 
 __all__ = [
+    "DiskSecondaryTier",
     "RedisSecondaryTier",
     "TieringOffloadingManager",
     "TieringOffloadingWorker",

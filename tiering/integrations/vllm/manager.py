@@ -108,7 +108,8 @@ class TieringOffloadingManager(OffloadingManager):
         enable_events: bool = False,
         self_describing_events: bool = False,
         config_info: ConfigInfoMapping | None = None,
-        secondary: Callable[[], SecondaryTierManager | None] | None = None,
+        secondary: Callable[[], Sequence[SecondaryTierManager] | None] | None = None,
+        secondary_labels: Sequence[str] = ("1:secondary",),
         on_shutdown: Callable[[], object] | None = None,
     ) -> None:
         self.medium = Medium.CPU
@@ -124,8 +125,13 @@ class TieringOffloadingManager(OffloadingManager):
         # Counts since the last get_stats(), for vLLM's counters (which add deltas).
         self._reported = (0, 0, 0)
         self._allocation_sizes: list[int] = []
-        #: The secondary tier below, when configured (built once the rows can be mapped).
-        self.link = SecondaryLink(self._tier, secondary) if secondary is not None else None
+        #: The tiers below, when configured (built once the rows can be mapped), labelled
+        #: ``secondary_labels`` in vLLM's metrics.
+        self.link = (
+            SecondaryLink(self._tier, secondary, secondary_labels)
+            if secondary is not None
+            else None
+        )
         self._on_shutdown = on_shutdown
         #: Where tiering's own metrics of this tier are served (``metrics_port``), if asked.
         self.metrics_url: str | None = None
@@ -180,9 +186,14 @@ class TieringOffloadingManager(OffloadingManager):
     # -- the tier ---------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> VllmLookupResult:
+        link = self.link
+        if link is None:
+            return _LOOKUP[self._tier.lookup(key)]
+        link.poll()  # promotions read since the last step are hits now
         found = self._tier.lookup(key)
-        if found is LookupResult.MISS and self.link is not None:
-            return self.link.lookup(key, req_context)
+        if found is LookupResult.MISS:
+            return link.lookup(key, req_context)
+        link.held(key, req_context)  # the request's promotions must not evict it
         return _LOOKUP[found]
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:

@@ -14,8 +14,20 @@ Both sides size the CPU tier from the same ``cpu_bytes_to_use`` by vLLM's own
 rule, so vLLM's native spec and this one hold the same number of chunks for
 the same bytes.
 
-``kv_connector_extra_config`` keys it reads (`EXTRA_KEYS`; every bad value is
-one `ConfigError` naming the key):
+Tiers below, at any world size on one node: every worker shares its host pool
+(its pages of every chunk, ``/dev/shm``) with the scheduler, which maps all of
+them; each tier below keeps a value per rank, and `ranks.RankedTier` makes the
+N values one chunk (a hit only when every rank's value is there and loads, so
+never a partial load; see its module).
+
+``kv_connector_extra_config`` keys it takes (`EXTRA_KEYS`, decoded by
+`TieringSpecKeys`): every bad value is one `ConfigError` naming the key, the
+value and what would be right; an unknown key is refused with the key it may
+misspell. vLLM's own keys are typed as vLLM reads them (an integer as an int
+or a string of one, a flag as true or false); those only another of vLLM's
+specs reads (``cache_policy_module_path``, ``max_tracker_size``,
+``tier_poll_interval_s``, ``backpressure``) pass untouched, with one WARNING
+in vLLM's log naming the spec that reads them (under this one they do nothing):
 
 ==============================  ==================================================
 ``cpu_bytes_to_use``            host bytes of the CPU tier, over all workers (required)
@@ -26,8 +38,16 @@ one `ConfigError` naming the key):
 ``blocks_per_chunk``            tokens / GPU blocks per chunk (vLLM reads these)
 ``self_describing_kv_events``   vLLM's own: BlockStored events carry token ids
 ``offload_prompt_only``         vLLM's own: store prompt blocks only (default true)
-``secondary_tiers``             one entry: tiering's Redis tier below the CPU tier
-``metrics_port``, ``metrics_host``  tiering's own CPU-tier metrics over HTTP (scheduler)
+``sync_load_budget_bytes``      vLLM's own: KV bytes loaded within a step (0: off)
+``canonical_layout``            vLLM's own: refused if true (pages are kept per worker)
+``store_threshold``             vLLM's own: 0 or 1 only (every offered chunk is stored)
+``spec_name`` /
+``spec_module_path``            vLLM's own: ``TieringSpec`` / ``tiering.integrations.vllm``
+``secondary_tiers``             tiering's tiers below the CPU tier, in order: a disk
+                                (``DiskSecondaryTier``), a Redis (``RedisSecondaryTier``),
+                                or a disk then a Redis; at any tensor-parallel size
+``metrics_port``, ``metrics_host``  tiering's own CPU-tier metrics over HTTP (scheduler),
+                                its URL in vLLM's log; ``metrics_host`` needs a port
 ==============================  ==================================================
 """
 
@@ -51,21 +71,20 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo, CPUOffloadingMetrics
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
-from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
+from vllm.v1.kv_offload.tiering.base import TIER_LABEL, SecondaryTierManager
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
-from tiering._checks import is_int
-from tiering._decode import closest_key, decode
+from tiering._decode import decode
 from tiering.config import DEFAULT_POLICY
 from tiering.cpu.common import CPUOffloadingInfo as TieringCPUInfo
 from tiering.cpu.manager import ManagerStatistics
 from tiering.errors import ConfigError
-from tiering.integrations.vllm.extra import metrics_extra
-from tiering.integrations.vllm.link import CascadeMetrics
+from tiering.integrations.vllm.extra import TieringSpecKeys, spec_keys
+from tiering.integrations.vllm.link import CascadeMetrics, tier_label
+from tiering.integrations.vllm.logs import adopt_vllm_logging
 from tiering.integrations.vllm.manager import TieringMetrics, TieringOffloadingManager
-from tiering.integrations.vllm.redis_tier import RedisSecondaryTier
+from tiering.integrations.vllm.ranks import RankedTier, building_rank
 from tiering.integrations.vllm.worker import TieringOffloadingWorker
-from tiering.policies import POLICY_NAMES
 from tiering.transfer import HostMemoryPool
 from tiering.transfer.memory import SHM_DIR, SHM_NAME_PATTERN, sweep_stale_pools
 
@@ -76,11 +95,9 @@ __all__ = ["EXTRA_KEYS", "TieringOffloadingInfo", "TieringSpec"]
 
 logger = logging.getLogger(__name__)
 
-#: Backends a vLLM worker may use (the mock backend moves no bytes: tests only).
-_BACKENDS = ("auto", "cpu", "cuda")
-
-#: The ``kv_connector_extra_config`` keys `TieringSpec` reads itself.
-EXTRA_KEYS: tuple[str, ...] = ("cpu_bytes_to_use", "eviction_policy", "transfer_backend")
+#: The ``kv_connector_extra_config`` keys `TieringSpec` takes (`TieringSpecKeys`): its
+#: own and vLLM's; any other is refused.
+EXTRA_KEYS: tuple[str, ...] = TieringSpecKeys.__struct_fields__
 
 
 @dataclass(frozen=True)
@@ -114,78 +131,61 @@ class _MetricsView:
         return _ManagerView(manager=self.manager.statistics())
 
 
-def _secondary_entry(extra: Mapping[str, Any], world_size: int) -> dict[str, Any] | None:
-    """The one ``secondary_tiers`` entry (tiering's Redis tier), checked; None without one."""
+#: tiering's tiers `TieringSpec` takes below its CPU tier (``type`` of an entry).
+_TIER_TYPES = ("DiskSecondaryTier", "RedisSecondaryTier")
+_MODULE = "tiering.integrations.vllm"
+
+
+def _secondary_entries(extra: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The ``secondary_tiers`` entries (tiering's tiers, in order), each checked."""
     tiers = extra.get("secondary_tiers")
     if not tiers:
-        return None
+        return []
     where = _where("secondary_tiers")
     tiers = decode(list[dict[str, Any]], tiers, where=where)
-    if len(tiers) != 1:
-        raise ConfigError(
-            f"{where} lists {len(tiers)} tiers; TieringSpec takes one below its CPU tier"
-        )
-    entry = dict(tiers[0])
-    kind, module = entry.get("type"), entry.get("module_path")
-    if (kind, module) != ("RedisSecondaryTier", "tiering.integrations.vllm"):
-        raise ConfigError(
-            f"{where}[0] is type {kind!r} from {module!r}; TieringSpec takes tiering's own "
-            "tier: type 'RedisSecondaryTier', module_path 'tiering.integrations.vllm' (for "
-            "vLLM's tiers, use spec_name 'TieringOffloadingSpec')"
-        )
-    if world_size != 1:
-        raise ConfigError(
-            f"{where} is set with {world_size} workers; TieringSpec's secondary tier reads "
-            "the rows of one worker (world size 1); for more, use spec_name "
-            "'TieringOffloadingSpec' with this entry"
-        )
-    # Its rows are laid out as tiering's pool lays them (not as vLLM's CPU tier does):
-    # their values live apart from TieringOffloadingSpec's in the same store.
-    entry["namespace"] = f"TieringSpec/{entry.get('namespace', '')}"
-    RedisSecondaryTier.check_entry("RedisSecondaryTier", entry)  # fail at start, not later
-    return entry
+    entries = []
+    for index, given in enumerate(tiers):
+        entry = dict(given)
+        kind, module = entry.get("type"), entry.get("module_path")
+        if kind not in _TIER_TYPES or module != _MODULE:
+            raise ConfigError(
+                f"{where}[{index}] is type {kind!r} from {module!r}; TieringSpec takes "
+                f"tiering's own tiers: type {' or '.join(map(repr, _TIER_TYPES))}, "
+                f"module_path {_MODULE!r} (for vLLM's tiers, use spec_name "
+                "'TieringOffloadingSpec')"
+            )
+        # Its rows are laid out as tiering's pools lay them (not as vLLM's CPU tier
+        # does): their values live apart from TieringOffloadingSpec's in one store.
+        entry["namespace"] = f"TieringSpec/{entry.get('namespace', '')}"
+        tier_class = SecondaryTierFactory.get_tier_class(entry)
+        tier_class.check_entry(kind, entry)  # fail at start, not later
+        entries.append(entry)
+    return entries
 
 
-def _shm_name(config: OffloadingConfig) -> str:
-    """The tag of this engine's shared rows: the worker's file is
-    ``tiering-<pid>-<tag>-row<row bytes>`` (`shm_file_name`)."""
+def _rank_entry(entry: Mapping[str, Any], rank: int, world_size: int) -> dict[str, Any]:
+    """``entry`` for rank ``rank``'s values (its pages of each chunk), kept apart from the
+    other ranks': the Redis tier's namespace and the disk tier's folder name the rank,
+    and the disk's capacity is shared evenly. At world size 1, ``entry`` itself."""
+    out = dict(entry)
+    if world_size == 1:
+        return out
+    out["namespace"] = f"{out['namespace']}/rank{rank}"
+    if out["type"] == "DiskSecondaryTier":  # a folder is one tier's alone (locked)
+        out["path"] = os.path.join(str(out["path"]), f"rank{rank}")
+        out["capacity_bytes"] = max(1, int(out["capacity_bytes"]) // world_size)
+    return out
+
+
+def _shm_name(config: OffloadingConfig, rank: int | None = None) -> str:
+    """The tag of the shared rows of worker ``rank`` (this process's if None): its file
+    is ``tiering-<pid>-<tag>-row<row bytes>`` (`shm_file_name`)."""
     engine = "".join(c if c.isalnum() or c in "-_" else "_" for c in config.engine_id)
-    return f"{engine}-rank{config.parallel.rank}"
+    return f"{engine}-rank{config.parallel.rank if rank is None else rank}"
 
 
 def _where(key: str) -> str:
     return f"kv_connector_extra_config[{key!r}]"
-
-
-def _cpu_bytes(extra: Mapping[str, Any]) -> int:
-    value = extra.get("cpu_bytes_to_use")
-    if value is None:
-        raise ConfigError(
-            f"{_where('cpu_bytes_to_use')} is missing; TieringSpec needs the host bytes of "
-            "its CPU tier, e.g. 8000000000 for 8 GB"
-        )
-    number = value
-    if isinstance(value, str):
-        try:
-            number = int(value.strip())
-        except ValueError:
-            number = value
-    if isinstance(number, float) and number.is_integer():
-        number = int(number)
-    if not is_int(number) or number < 1:
-        raise ConfigError(
-            f"{_where('cpu_bytes_to_use')} must be a positive number of bytes, got {value!r}"
-        )
-    return int(number)
-
-
-def _choice(extra: Mapping[str, Any], key: str, default: str, choices: tuple[str, ...]) -> str:
-    value = extra.get(key, default)
-    if isinstance(value, str) and value.lower() in choices:
-        return value.lower()
-    close = closest_key(str(value), choices, cutoff=0.6)
-    hint = f"did you mean {close!r}? " if close else ""
-    raise ConfigError(f"{_where(key)} is {value!r}; {hint}choose one of {', '.join(choices)}")
 
 
 class TieringSpec(OffloadingSpec):
@@ -215,10 +215,16 @@ class TieringSpec(OffloadingSpec):
                 "secondary tier (their slots were freed)."
             )
         )
-        if extra_config.get("secondary_tiers"):
+        tiers = extra_config.get("secondary_tiers")
+        if tiers and isinstance(tiers, list):
             for name, text in CascadeMetrics.DOCS.items():
-                definitions[name] = OffloadingCounterMetadata(documentation=text)
-            definitions.update(RedisSecondaryTier.build_metric_definitions(extra_config))
+                definitions[name] = OffloadingCounterMetadata(
+                    documentation=text, labelnames=(TIER_LABEL,)
+                )
+            for entry in tiers:
+                if isinstance(entry, dict) and entry.get("type") in _TIER_TYPES:
+                    tier_class = SecondaryTierFactory.get_tier_class(entry)
+                    definitions.update(tier_class.build_metric_definitions(entry))
         return definitions
 
     @classmethod
@@ -228,27 +234,24 @@ class TieringSpec(OffloadingSpec):
 
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
+        adopt_vllm_logging()
         extra = self.extra_config
-        if bool(extra.get("canonical_layout", False)) or config.canonical_layout:
+        #: The extra config's keys, checked (one `ConfigError` naming a bad one).
+        self.keys = spec_keys(extra)
+        if self.keys.canonical_layout or config.canonical_layout:
             raise ConfigError(
                 f"{_where('canonical_layout')} is set, but TieringSpec stores each worker's "
                 "pages as they are, not vLLM's canonical (parallelism-free) layout; remove "
                 "canonical_layout, or use vLLM's CPUOffloadingSpec"
             )
-        self.secondary_tier = _secondary_entry(extra, config.parallel.world_size)
-        threshold = extra.get("store_threshold")
-        if threshold not in (None, 0, 1, "0", "1"):
-            raise ConfigError(
-                f"{_where('store_threshold')}={threshold!r}: TieringSpec stores every chunk "
-                "it is offered (its policies decide what stays); remove store_threshold, or "
-                "use vLLM's CPUOffloadingSpec for admission by reuse count"
-            )
+        #: The tiers below the CPU tier (their entries, checked), in order.
+        self.secondary_tiers = _secondary_entries(extra)
         # A replicated layout (every TP rank holds the same bytes) is served by keeping
         # each rank's copy: correct, as vLLM's own spec does without a shared region.
         self.replicated_layout = False
-        cpu_bytes = _cpu_bytes(extra)
-        self.policy = _choice(extra, "eviction_policy", DEFAULT_POLICY, POLICY_NAMES)
-        self.transfer_backend = _choice(extra, "transfer_backend", "auto", _BACKENDS)
+        cpu_bytes = self.keys.cpu_bytes
+        self.policy = self.keys.policy
+        self.transfer_backend = self.keys.backend
         # vLLM's sizing rule (its CPUOffloadingSpec): a chunk is every worker's pages of
         # blocks_per_chunk blocks, rounded up to the host page size.
         world_size = config.parallel.world_size
@@ -273,10 +276,10 @@ class TieringSpec(OffloadingSpec):
         )
         self._manager: TieringOffloadingManager | None = None
         self._worker: TieringOffloadingWorker | None = None
-        #: The CPU tier's rows in /dev/shm, shared by the worker with the scheduler's
-        #: secondary tier (None: no secondary tier).
-        self.shm_name = _shm_name(config) if self.secondary_tier is not None else None
-        self._shared_rows: HostMemoryPool | None = None
+        #: The CPU tier's rows in /dev/shm, shared by each worker with the scheduler's
+        #: tiers below (None: no tier below).
+        self.shm_name = _shm_name(config) if self.secondary_tiers else None
+        self._shared_rows: list[HostMemoryPool] = []  # every rank's, mapped by the scheduler
         #: tiering's metrics of the CPU tier, where ``metrics_port`` asks for them.
         self.metrics_server: MetricsServer | None = None
         self._metrics_view: _MetricsView | None = None
@@ -290,13 +293,19 @@ class TieringSpec(OffloadingSpec):
                     "cannot be sized"
                 )
             metrics = self._metrics_port()  # refused before anything is built
+            for line in self.keys.unread:  # once, from the scheduler (not once per worker)
+                logger.warning("%s", line)
             self._manager = TieringOffloadingManager(
                 self.num_chunks,
                 self.policy,
                 enable_events=self.kv_events_config.enable_kv_cache_events,
                 self_describing_events=self.kv_events_config.self_describing_kv_events,
                 config_info=self.info.as_config_info(),
-                secondary=self._secondary_tier if self.secondary_tier is not None else None,
+                secondary=self._secondary_tiers if self.secondary_tiers else None,
+                secondary_labels=[
+                    tier_label(index, entry["type"])
+                    for index, entry in enumerate(self.secondary_tiers)
+                ],
                 on_shutdown=self._close_scheduler_side,
             )
             if metrics is not None:
@@ -315,53 +324,97 @@ class TieringSpec(OffloadingSpec):
             )
         return self._worker
 
-    def _secondary_tier(self) -> SecondaryTierManager | None:
-        """The secondary tier over the worker's rows, once the worker has shared them."""
-        if self.secondary_tier is None or self.shm_name is None:
-            return None
-        # The worker names the file after its pid and its row size (the scheduler has no
+    def _secondary_tiers(self) -> list[SecondaryTierManager] | None:
+        """The tiers below over every worker's rows, once all the workers have shared them
+        (None until then)."""
+        world_size = self.config.parallel.world_size
+        # The workers name their files after their pid and row size (the scheduler has no
         # layout); files of processes gone are swept first, so what is left is alive.
         sweep_stale_pools()
-        prefix = f"{self.shm_name}-row"
+        names = sorted(os.listdir(SHM_DIR))
+        found = [self._shared_file(names, rank) for rank in range(world_size)]
+        missing = [rank for rank, pool in enumerate(found) if pool is None]
+        if len(missing) == world_size:
+            return None  # the workers have not registered their KV caches yet
+        if missing:  # vLLM registers every worker's caches before its first step
+            raise ConfigError(
+                f"the host pools of rank(s) {missing} of {world_size} workers are not in "
+                f"{SHM_DIR} on this host: TieringSpec's tiers below read every worker's "
+                "pool, so every worker must run on the scheduler's node (tensor parallel "
+                "within one node); for more nodes, use spec_name 'TieringOffloadingSpec'"
+            )
+        rows: list[HostMemoryPool] = []
+        views: list[memoryview] = []
+        tiers: list[SecondaryTierManager] = []
+        try:
+            for name, row_bytes in (pool for pool in found if pool is not None):
+                pool = HostMemoryPool(self.num_chunks * row_bytes, shm_name=name, create=False)
+                rows.append(pool)
+                # Both sides keep their mappings; the name goes now, so no crash can leave
+                # it behind.
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(SHM_DIR, name))
+                table = pool.tensor.view(self.num_chunks, row_bytes).numpy()
+                views.append(memoryview(table))  # type: ignore[arg-type]  # arrays are buffers
+            for entry in self.secondary_tiers:
+                tiers.append(self._tier_over(entry, views))
+        except BaseException:
+            for tier in tiers:
+                tier.shutdown()
+            for view in views:
+                view.release()
+            for pool in rows:
+                pool.close()
+            raise
+        self._shared_rows = rows
+        return tiers
+
+    def _shared_file(self, names: list[str], rank: int) -> tuple[str, int] | None:
+        """Worker ``rank``'s file in ``names`` (of /dev/shm) and its row bytes, if shared."""
+        prefix = f"{_shm_name(self.config, rank)}-row"
         found: list[tuple[str, int]] = []
-        for name in sorted(os.listdir(SHM_DIR)):
+        for name in names:
             match = SHM_NAME_PATTERN.fullmatch(name)
             tag = match["tag"] if match is not None else ""
             row = tag[len(prefix) :]
             if tag.startswith(prefix) and row.isascii() and row.isdigit():
                 found.append((name, int(row)))
-        if not found:
-            return None  # the worker has not registered its KV caches yet
         if len(found) > 1:
-            names = ", ".join(name for name, _ in found)
             raise ConfigError(
-                f"{SHM_DIR} holds {len(found)} CPU tiers of this engine ({names}), of "
-                "processes still alive: two engines run with the same engine_id "
-                "(kv_transfer_config.engine_id); give each its own"
+                f"{SHM_DIR} holds {len(found)} CPU tiers of this engine's rank {rank} "
+                f"({', '.join(name for name, _ in found)}), of processes still alive: two "
+                "engines run with the same engine_id (kv_transfer_config.engine_id); give "
+                "each its own"
             )
-        name, row_bytes = found[0]
-        size = self.num_chunks * row_bytes
-        rows = HostMemoryPool(size, shm_name=name, create=False)
-        # Both sides keep their mappings; the name goes now, so no crash can leave it behind.
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(SHM_DIR, name))
-        table = rows.tensor.view(self.num_chunks, row_bytes).numpy()
-        view = memoryview(table)  # type: ignore[arg-type]  # numpy arrays are buffers
+        return found[0] if found else None
+
+    def _tier_over(self, entry: dict[str, Any], views: list[memoryview]) -> SecondaryTierManager:
+        """The tier of ``entry`` over the ranks' rows ``views``: one adapter per rank, made
+        one tier (`RankedTier`) when there are several."""
+        world_size = len(views)
+        ranks: list[SecondaryTierManager] = []
         try:
-            tier: SecondaryTierManager = SecondaryTierFactory.create_secondary_tier(
-                dict(self.secondary_tier), view, self
+            for rank, view in enumerate(views):
+                with building_rank(rank):  # one line per change of state: rank 0's
+                    ranks.append(
+                        SecondaryTierFactory.create_secondary_tier(
+                            _rank_entry(entry, rank, world_size), view, self
+                        )
+                    )
+            if world_size == 1:
+                return ranks[0]
+            events = bool(entry.get("enable_kv_events")) and bool(
+                self.kv_events_config.enable_kv_cache_events
             )
+            return RankedTier(self, views[0], entry["type"], ranks, events=events)
         except BaseException:
-            view.release()
-            rows.close()
+            for tier in ranks:
+                tier.shutdown()
             raise
-        self._shared_rows = rows
-        return tier
 
     def _metrics_port(self) -> tuple[str, int] | None:
         """``metrics_port`` (and ``metrics_host``, loopback by default), checked."""
-        keys = metrics_extra(self.extra_config)
-        return None if keys.metrics_port is None else (keys.metrics_host, keys.metrics_port)
+        return self.keys.metrics_address
 
     def _serve_metrics(self, manager: TieringOffloadingManager, host: str, port: int) -> None:
         """tiering's own occupancy gauges (its dashboards' names) on ``host:port``."""
@@ -369,16 +422,20 @@ class TieringSpec(OffloadingSpec):
 
         self._metrics_view = _MetricsView(self, manager)
         self.metrics_server = serve_metrics(self._metrics_view, host, port=port)
-        manager.metrics_url = f"{self.metrics_server.url}/metrics"
-        logger.info("tiering's CPU-tier metrics at %s", manager.metrics_url)
+        manager.metrics_url = self.metrics_server.url  # it ends in /metrics
+        logger.info(
+            "tiering's CPU-tier metrics (engine %s) are served at %s",
+            self.config.engine_id,
+            manager.metrics_url,
+        )
 
     def _close_scheduler_side(self) -> None:
         if self.metrics_server is not None:
             self.metrics_server.close()
             self.metrics_server = None
-        if self._shared_rows is not None:
-            self._shared_rows.close()  # unmapped once the tier's view of it is gone
-            self._shared_rows = None
+        for rows in self._shared_rows:
+            rows.close()  # unmapped once the tiers' views of it are gone
+        self._shared_rows = []
 
     def __repr__(self) -> str:
         return (
