@@ -22,8 +22,10 @@ LAYERS: dict[str, float] = {
     "_state": 0,
     "_checks": 0,
     "_exports": 0,  # a module's __getattr__: lazy names, deprecated names
+    "_extras": 0,  # the optional parts: a missing package is one ConfigError naming its extra
     "_closing": 3,  # the async wait of the one lifecycle
     "config": 1,
+    "extra_config": 1,  # extra_config's keys: tiering's, vLLM's, a misspelling refused
     "_decode": 1,  # external input decoded by msgspec, one ConfigError line
     "specs": 1,
     "cpu.common": 1,
