@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from tiering.errors import ConfigError
+
 HEAVY = ("torch", "zmq", "redis", "prometheus_client", "vllm")
 
 # Module -> the heavy packages it may load on import.
@@ -76,5 +78,10 @@ def test_the_vllm_package_lists_each_lazy_name_once_and_loads_none_before_use() 
 
     assert sorted(adapters.__all__) == sorted(adapters._EXPORTS)
     assert set(adapters.__all__) <= set(dir(adapters))
-    with pytest.raises(AttributeError, match="it exposes ARCCachePolicy"):
+    with pytest.raises(AttributeError, match=r"cache policies \(eviction_policy\) are ARC") as got:
         adapters.TieringSpek  # noqa: B018 - the attribute access is the test
+    assert isinstance(got.value, ConfigError)  # one clear line from vLLM's factories
+    assert "secondary tiers (a secondary_tiers entry's type) are DiskSecondaryTier" in str(
+        got.value
+    )
+    assert not hasattr(adapters, "NoSuchTier")

@@ -36,6 +36,7 @@ __all__ = [
     "TieringError",
     "TransferError",
     "UnknownKeyError",
+    "UnknownNameError",
     "WorkloadError",
     "failure_text",
     "transfer_error",
@@ -48,6 +49,12 @@ class TieringError(Exception):
 
 class ConfigError(TieringError, ValueError):
     """A configuration field is missing, has the wrong type or an impossible value."""
+
+
+class UnknownNameError(ConfigError, AttributeError):
+    """A configuration names a class that a module of tiering's does not have (vLLM's
+    ``module_path`` and ``type``, say): a `ConfigError`, and the ``AttributeError``
+    that ``getattr`` and ``hasattr`` expect."""
 
 
 class SpecError(TieringError, ValueError):

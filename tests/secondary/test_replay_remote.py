@@ -100,9 +100,13 @@ def test_redis_killed_mid_replay_and_restarted(own_redis_server: RedisServer) ->
 
 
 def test_a_wrong_password_is_one_clear_line(redis_acl_server: RedisServer, tmp_path: Path) -> None:
-    url = f"redis://default:wrong@127.0.0.1:{redis_acl_server.port}/0"
+    url = f"redis://default@127.0.0.1:{redis_acl_server.port}/0"
+    password = tmp_path / "password"
+    password.write_text("wrong\n")
+    password.chmod(0o600)
     done = subprocess.run(
-        [sys.executable, "-m", "tiering", *REPLAY, "--remote", url],
+        [sys.executable, "-m", "tiering", *REPLAY, "--remote", url,
+         "--remote-password-file", str(password)],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode == 2
@@ -110,6 +114,24 @@ def test_a_wrong_password_is_one_clear_line(redis_acl_server: RedisServer, tmp_p
     assert len(lines) == 1, done.stderr
     assert "wrong" not in lines[0]  # the password is never shown
     assert str(redis_acl_server.port) in lines[0]
+
+
+def test_a_password_on_the_command_line_is_warned_of_never_shown(
+    redis_acl_server: RedisServer,
+) -> None:
+    """A password in --remote's URL works, and is said to be readable by others (ps, the
+    shell's history), with the flags that keep it off the command line."""
+    url = f"redis://default:wrong@127.0.0.1:{redis_acl_server.port}/0"
+    done = subprocess.run(
+        [sys.executable, "-m", "tiering", *REPLAY, "--remote", url],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 2, done.stderr  # the warning, then the refusal
+    assert lines[0].startswith("tiering: warning: --remote's URL holds a password")
+    assert "--remote-url-env" in lines[0]
+    assert "--remote-password-file" in lines[0]
+    assert "wrong" not in done.stderr
 
 
 def test_a_full_redis_is_shown_in_the_summary_by_reason(own_redis_server: RedisServer) -> None:

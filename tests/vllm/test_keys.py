@@ -257,6 +257,23 @@ def test_a_tier_entrys_misspelt_key_is_refused_with_the_key_it_misspells(
     assert f"did you mean {meant!r}?" in message
 
 
+@pytest.mark.parametrize(
+    ("bad", "says"),
+    [
+        ({"timeout_s": -1}, "timeout_s must be a positive number of seconds, got -1"),
+        ({"connect_timeout_s": 0}, "connect_timeout_s must be a positive number of seconds"),
+        ({"ttl_s": -1}, "ttl_s must be None or at least 0.001 seconds"),
+    ],
+)
+def test_a_redis_entrys_durations_are_refused_at_start_not_once_a_worker_builds_it(
+    model, bad, says
+):
+    """Under TieringSpec the tiers are built once the workers share their rows: a duration
+    the tier would refuse then is refused when vLLM builds the spec."""
+    entry = {**REDIS, **bad, "module_path": "tiering.integrations.vllm"}
+    assert says in refusal(model, secondary_tiers=[entry])
+
+
 def test_the_known_keys_are_named_in_an_unknown_keys_refusal() -> None:
     with pytest.raises(ConfigError) as info:
         spec_keys({"cpu_bytes_to_use": 1, "evictionpolicy": "lru"})
@@ -274,3 +291,21 @@ def test_the_readmes_key_table_names_every_key_tiering_spec_reads() -> None:
     assert named == set(TieringSpecKeys.__struct_fields__) - others
     for key in others:
         assert f"`{key}`" in section.split("| key |")[0]
+
+
+def test_an_unknown_tier_type_under_vllms_own_spec_is_one_config_error() -> None:
+    """vLLM's tier factory asks the module for the entry's ``type``: a misspelling is a
+    `ConfigError` naming the tiers there are, not a bare ``AttributeError``."""
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+    with pytest.raises(ConfigError, match=r"its secondary tiers .* are DiskSecondaryTier, Redis"):
+        SecondaryTierFactory.get_tier_class(
+            {"type": "DiskSecondaryTeir", "module_path": "tiering.integrations.vllm"}
+        )
+
+
+def test_one_folder_for_two_disk_tiers_is_refused_at_start(model, tmp_path) -> None:
+    disk = {**DISK, "path": str(tmp_path / "disk"), "module_path": "tiering.integrations.vllm"}
+    again = {**disk, "path": str(tmp_path / "." / "disk")}
+    message = refusal(model, secondary_tiers=[disk, again])
+    assert "[1] and [0] are disk tiers of one folder" in message

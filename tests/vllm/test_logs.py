@@ -44,6 +44,17 @@ def test_the_metrics_url_is_one_info_line_of_vllms_log_and_is_served(model):
     assert re.fullmatch(r"\d\d-\d\d \d\d:\d\d:\d\d", line.time)
 
 
+def test_metrics_on_every_interface_are_one_warning(model):
+    with vllm_logging() as log:
+        engine = build_engine(
+            model, tiering_extra(64 << 20, metrics_port=0, metrics_host="0.0.0.0")
+        )
+        engine.scheduler.shutdown()
+    [line] = log.lines(containing="served on every interface")
+    assert (line.level, line.file) == ("WARNING", "spec.py")
+    assert "give metrics_host 127.0.0.1" in line.message
+
+
 def test_the_metrics_url_is_served_where_it_says(model):
     engine = build_engine(model, tiering_extra(64 << 20, metrics_port=0))
     try:

@@ -225,7 +225,20 @@ def _run(args: argparse.Namespace) -> None:
         remote_namespace=args.remote_namespace or "",
         auth_key=_auth_key(args),
     )
-    options.remote_url()  # an unset variable or a bad password file: now, not after a load
+    url = options.remote_url()  # an unset variable or a bad password file: now, not after a load
+    if args.remote is not None and url is not None:
+        from tiering.secondary.redis.address import holds_password, parse_url
+
+        parse_url(url, None)  # a URL that cannot work is its one line, without the warning
+        if holds_password(args.remote):
+            print(
+                "tiering: warning: --remote's URL holds a password, which other users of "
+                "this host can read (ps, /proc) and your shell keeps in its history: give "
+                "the URL in a variable (--remote-url-env NAME) or the password in a file "
+                "(--remote-password-file FILE) instead",
+                file=sys.stderr,
+                flush=True,
+            )
     result = run_replay(
         requests,
         options,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from tiering.errors import UnknownNameError
 from tiering.policies import POLICY_NAMES
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers only
@@ -74,8 +75,12 @@ __all__.sort()
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
-        raise AttributeError(
-            f"module {__name__!r} has no attribute {name!r}; it exposes {', '.join(__all__)}"
+        tiers = sorted(n for n in __all__ if n.endswith("SecondaryTier"))
+        policies = sorted(n for n in __all__ if n.endswith("CachePolicy"))
+        raise UnknownNameError(
+            f"module {__name__!r} has no attribute {name!r}: its secondary tiers (a "
+            f"secondary_tiers entry's type) are {', '.join(tiers)}; its spec (spec_name) "
+            f"is TieringSpec; its cache policies (eviction_policy) are {', '.join(policies)}"
         )
     value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
     globals()[name] = value  # later lookups skip this function

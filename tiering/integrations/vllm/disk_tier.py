@@ -107,7 +107,13 @@ class DiskEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         None
     )
     file_mode: Annotated[
-        int, Meta(ge=0o600, le=0o777, description="a mode from 0o600 to 0o777")
+        int,
+        Meta(
+            ge=0o600,
+            le=0o777,
+            description="a mode from 0o600 to 0o777, in decimal as JSON has no octal: "
+            "384 for 0o600 (the default), 416 for 0o640",
+        ),
     ] = 0o600
     max_lookups_in_flight: _Count = 4096
     max_store_jobs: _Count = 64

@@ -34,7 +34,8 @@ from tiering.secondary.auth import AuthKey
 from tiering.secondary.base import Locality
 from tiering.secondary.codec import RemoteNamespace
 from tiering.secondary.redis import redact_url
-from tiering.secondary.redis.address import resolve_url
+from tiering.secondary.redis.address import holds_password, resolve_url
+from tiering.secondary.redis.options import RedisOptions
 
 __all__ = [
     "VLLM_ENTRY_KEYS",
@@ -144,6 +145,10 @@ def redis_options(tier_type: str, entry: Mapping[str, Any]) -> RedisEntryOptions
     for key in ("max_batch", "max_concurrency", "cluster", "backoff_s", "checksum"):
         if getattr(keys, key) is not UNSET:
             redis[key] = getattr(keys, key)
+    try:  # the tier's own rules for its durations, now: not once a worker builds it
+        RedisOptions(**{k: v for k, v in redis.items() if k.endswith("_s")})
+    except ConfigError as exc:
+        raise ConfigError(f"{where}{exc}") from None
     redis["auth_key"] = entry_auth_key(where, keys.auth_key_file)
     locality = Locality((keys.locality or "REMOTE").upper())
     redis["locality"] = locality
@@ -178,7 +183,7 @@ def _url(where: str, keys: RedisEntry) -> tuple[str, bool]:
                 "rediss://... for TLS (with 'password_file' for the password), or 'url_env' "
                 f"the name of an environment variable holding it; got {given}"
             )
-        in_entry = ":" in url.partition("://")[2].rpartition("@")[0]
+        in_entry = holds_password(url)
     try:
         resolved = resolve_url(url, url_env=url_env, password_file=keys.password_file)  # type: ignore[arg-type]
     except ConfigError as exc:

@@ -143,7 +143,7 @@ def _secondary_entries(extra: Mapping[str, Any]) -> list[dict[str, Any]]:
         return []
     where = _where("secondary_tiers")
     tiers = decode(list[dict[str, Any]], tiers, where=where)
-    entries = []
+    entries: list[dict[str, Any]] = []
     for index, given in enumerate(tiers):
         entry = dict(given)
         kind, module = entry.get("type"), entry.get("module_path")
@@ -159,6 +159,14 @@ def _secondary_entries(extra: Mapping[str, Any]) -> list[dict[str, Any]]:
         entry["namespace"] = f"TieringSpec/{entry.get('namespace', '')}"
         tier_class = SecondaryTierFactory.get_tier_class(entry)
         tier_class.check_entry(kind, entry)  # fail at start, not later
+        if kind == "DiskSecondaryTier":
+            path = os.path.realpath(str(entry.get("path")))
+            for before, other in enumerate(entries):
+                if other["type"] == kind and os.path.realpath(str(other["path"])) == path:
+                    raise ConfigError(
+                        f"{where}[{index}] and [{before}] are disk tiers of one folder "
+                        f"({entry['path']!r}): a folder is one tier's alone; give each its own"
+                    )
         entries.append(entry)
     return entries
 
@@ -428,6 +436,14 @@ class TieringSpec(OffloadingSpec):
             self.config.engine_id,
             manager.metrics_url,
         )
+        if host in ("0.0.0.0", "::", ""):
+            logger.warning(
+                "tiering's metrics are served on every interface (metrics_host %r): anyone "
+                "who reaches port %d reads them; give metrics_host 127.0.0.1 unless a "
+                "scraper on another host needs them",
+                host,
+                self.metrics_server.port,
+            )
 
     def _close_scheduler_side(self) -> None:
         if self.metrics_server is not None:

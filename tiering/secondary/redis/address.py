@@ -23,7 +23,15 @@ import msgspec
 from tiering.errors import ConfigError
 from tiering.secondary.auth import read_secret_file
 
-__all__ = ["URL_ENV", "RedisAddress", "parse_url", "read_password", "redact_url", "resolve_url"]
+__all__ = [
+    "URL_ENV",
+    "RedisAddress",
+    "holds_password",
+    "parse_url",
+    "read_password",
+    "redact_url",
+    "resolve_url",
+]
 
 #: The environment variable that holds the Redis tier's URL by default.
 URL_ENV = "TIERING_REMOTE_URL"
@@ -96,6 +104,12 @@ class RedisAddress(msgspec.Struct, frozen=True, kw_only=True):
             (name, "***" if name in _SECRETS and getattr(self, name) else getattr(self, name))
             for name in self.__struct_fields__
         ]
+
+
+def holds_password(url: str) -> bool:
+    """Whether ``url``'s userinfo holds a password (``redis://[user]:password@host``): a
+    secret where it should not be, on a command line or in a config that is logged."""
+    return ":" in url.partition("://")[2].rpartition("@")[0]
 
 
 def redact_url(url: str) -> str:
