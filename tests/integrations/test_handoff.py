@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-import time
 from importlib.util import find_spec
 
 import anyio
@@ -31,19 +30,24 @@ def test_a_submit_returns_at_once_while_the_loop_is_busy_and_the_call_runs_after
     with anyio.from_thread.start_blocking_portal(backend) as portal:
         handoff = Handoff()
         portal.start_task(handoff.run)
-        busy = threading.Event()
+        busy, release = threading.Event(), threading.Event()
+        held: list[bool] = []
 
         async def hog() -> None:
             busy.set()
-            time.sleep(0.5)  # the loop's thread holds on: nothing else runs on it
+            # The loop's thread blocks until the test releases it (a submit that waited for
+            # the loop, as a portal's start_task_soon does, would keep it blocked 10 s).
+            held.append(release.wait(10))
             await anyio.lowlevel.checkpoint()
 
         portal.start_task_soon(hog)
         assert busy.wait(5)
-        started = time.monotonic()
         futures = [handoff.submit(echo, i) for i in range(100)]
-        assert time.monotonic() - started < 0.2  # a portal's start_task_soon waits 0.5 s
+        none_ran = not any(f.done() for f in futures)  # the loop was blocked throughout
+        release.set()
+        assert none_ran
         assert [f.result(timeout=5) for f in futures] == list(range(100))
+        assert held == [True]  # released by the test, not by its timeout
         portal.call(handoff.close)
 
 
