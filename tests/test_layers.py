@@ -27,6 +27,7 @@ LAYERS: dict[str, float] = {
     "config": 1,
     "extra_config": 1,  # extra_config's keys: tiering's, vLLM's, a misspelling refused
     "_decode": 1,  # external input decoded by msgspec, one ConfigError line
+    "hints": 1,  # the retention hint vocabulary and its channels' readers
     "specs": 1,
     "cpu.common": 1,
     "integrations": 1,

@@ -21,6 +21,7 @@ fails in O(1) before touching the policy.
 from __future__ import annotations
 
 import enum
+import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
@@ -32,7 +33,9 @@ from tiering._types import Medium, OffloadKey
 from tiering.config import DEFAULT_POLICY
 from tiering.cpu.common import CPULoadStoreSpec
 from tiering.errors import ChunkStateError, ConfigError, InvalidKeyError, UnknownKeyError
+from tiering.hints import Hint
 from tiering.policies import CachePolicy, create_policy
+from tiering.policies.hints import DEFAULT_HINT_SHARE, HintBook
 
 __all__ = [
     "AllChunksCleared",
@@ -170,6 +173,8 @@ class CPUOffloadingManager:
         enable_events: bool = False,
         max_pending_events: int = 65536,
         on_events: Callable[[], object] | None = None,
+        hint_share: float = DEFAULT_HINT_SHARE,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         num_chunks = check_int("num_chunks", num_chunks, minimum=1)
         max_pending_events = check_int("max_pending_events", max_pending_events, minimum=1)
@@ -183,6 +188,7 @@ class CPUOffloadingManager:
             )
         self._capacity = num_chunks
         self._policy = policy
+        self._hints = HintBook(num_chunks, share=hint_share, clock=clock)
         self._chunks: dict[OffloadKey, _Chunk] = {}
         self._next_fresh = 0
         self._free: list[int] = []
@@ -409,7 +415,7 @@ class CPUOffloadingManager:
         free = self._free
         if need > 0:
             busy.update(offered_ready)  # protected for this eviction only
-            victims = self._policy.evict(need, busy)
+            victims = self._hints.evict(self._policy, need, busy)
             busy.difference_update(offered_ready)
             if victims is None or len(victims) != need:
                 raise RuntimeError(  # the evictable count and the policy disagree: a bug
@@ -477,15 +483,28 @@ class CPUOffloadingManager:
                 self._push_event(ChunksStored(keys=tuple(done), job=job))
         else:
             self._policy.remove(done)
+            self._hints.forget(done)
             self._store_failed += len(done)
 
     def count_allocation_failure(self) -> None:
         """Count one store that found no room (after tries made with ``count=False``)."""
         self._alloc_failures += 1
 
-    def touch(self, keys: Sequence[OffloadKey]) -> None:
-        """Commit a request's recency for ``keys``, given head first (the tail is evicted first)."""
+    def touch(self, keys: Sequence[OffloadKey], hint: Hint | None = None) -> None:
+        """Commit a request's recency for ``keys``, given head first (the tail is evicted
+        first), and its retention ``hint`` if it has one (`tiering.hints`)."""
         self._policy.touch(keys)
+        self._hints.note(keys, hint, self._chunks)
+
+    def hint(self, keys: Sequence[OffloadKey], hint: Hint | None) -> None:
+        """Apply a request's ``hint`` to those of ``keys`` the tier holds, without a use
+        (keys its store wrote after its touch)."""
+        self._hints.apply(keys, hint, self._chunks)
+
+    @property
+    def hints(self) -> HintBook:
+        """The retention hints the tier holds (`tiering.policies.hints`)."""
+        return self._hints
 
     # -- events, reset, statistics ---------------------------------------------
 
@@ -529,6 +548,7 @@ class CPUOffloadingManager:
         self._loads.clear()
         self._store_jobs.clear()
         self._policy.clear()
+        self._hints.clear()
         if self._enable_events:
             self._push_event(AllChunksCleared(keys=held))
 
