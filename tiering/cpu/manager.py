@@ -415,7 +415,12 @@ class CPUOffloadingManager:
         free = self._free
         if need > 0:
             busy.update(offered_ready)  # protected for this eviction only
-            victims = self._hints.evict(self._policy, need, busy)
+            hints = self._hints
+            victims = (
+                hints.evict(self._policy, need, busy)
+                if hints.engaged
+                else self._policy.evict(need, busy)
+            )
             busy.difference_update(offered_ready)
             if victims is None or len(victims) != need:
                 raise RuntimeError(  # the evictable count and the policy disagree: a bug
@@ -483,7 +488,8 @@ class CPUOffloadingManager:
                 self._push_event(ChunksStored(keys=tuple(done), job=job))
         else:
             self._policy.remove(done)
-            self._hints.forget(done)
+            if self._hints.engaged:
+                self._hints.forget(done)
             self._store_failed += len(done)
 
     def count_allocation_failure(self) -> None:
@@ -494,7 +500,8 @@ class CPUOffloadingManager:
         """Commit a request's recency for ``keys``, given head first (the tail is evicted
         first), and its retention ``hint`` if it has one (`tiering.hints`)."""
         self._policy.touch(keys)
-        self._hints.note(keys, hint, self._chunks)
+        if hint is not None or self._hints.engaged:
+            self._hints.note(keys, hint, self._chunks)
 
     def hint(self, keys: Sequence[OffloadKey], hint: Hint | None) -> None:
         """Apply a request's ``hint`` to those of ``keys`` the tier holds, without a use

@@ -273,7 +273,9 @@ class HintBook:
         self._released = _Buckets()
         self._accuracy = _Accuracy(capacity, memory)
         self._follow = [True, True]  # releases, retentions
-        self._seen_hint = False
+        #: Whether a hint was ever given (or since the last `clear`): until then the
+        #: manager calls the policy alone, as if there were no book.
+        self.engaged = False
         self._hinted_keys = self._released_evicted = self._overflow = self._overridden = 0
         self._switches = 0
 
@@ -297,8 +299,8 @@ class HintBook:
         if hint is not None and hint.empty:
             hint = None
         if hint is not None:
-            self._seen_hint = True
-        if self._seen_hint:
+            self.engaged = True
+        if self.engaged:
             kind = _PLAIN if hint is None else _RELEASED if hint.release else _RETAINED
             self._accuracy.note(keys, kind)
             self._judge()
@@ -330,7 +332,7 @@ class HintBook:
         use (keys a request stored after its touch)."""
         if hint is None or hint.empty:
             return
-        self._seen_hint = True
+        self.engaged = True
         released = self._released
         mine = [key for key in keys if key in held]
         self._hinted_keys += len(mine)
@@ -423,7 +425,7 @@ class HintBook:
         self._retained.clear()
         self._accuracy.clear()
         self._follow = [True, True]
-        self._seen_hint = False
+        self.engaged = False
 
     def statistics(self) -> HintStatistics:
         accuracy = self._accuracy
