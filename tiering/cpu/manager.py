@@ -35,7 +35,7 @@ from tiering.cpu.common import CPULoadStoreSpec
 from tiering.errors import ChunkStateError, ConfigError, InvalidKeyError, UnknownKeyError
 from tiering.hints import Hint
 from tiering.policies import CachePolicy, create_policy
-from tiering.policies.hints import DEFAULT_HINT_SHARE, HintBook
+from tiering.policies.hints import DEFAULT_HINT_SHARE, HintBook, HintStatistics
 
 __all__ = [
     "AllChunksCleared",
@@ -120,6 +120,9 @@ class ManagerStatistics(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     #: pinned and not completed (those prepared with a job id). Back to 0 when idle.
     open_store_jobs: int = 0
     open_load_jobs: int = 0
+    #: What the retention hints hold and did (`tiering.policies.hints`); None until
+    #: a hint was given.
+    hints: HintStatistics | None = None
 
     @property
     def used_ratio(self) -> float:
@@ -581,6 +584,7 @@ class CPUOffloadingManager:
             events_dropped_total=self._events_dropped,
             open_store_jobs=len(self._store_jobs),
             open_load_jobs=len(self._loads),
+            hints=self._hints.statistics() if self._hints.engaged else None,
         )
 
     def __repr__(self) -> str:
