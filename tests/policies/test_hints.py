@@ -236,6 +236,26 @@ def test_released_keys_go_first_and_a_use_takes_the_release_back() -> None:
     assert stats.released == 0
 
 
+def test_a_release_spares_the_head_other_conversations_share() -> None:
+    manager = CPUOffloadingManager(64, "lru")
+    system = [k(0), k(1)]  # a system prompt every conversation begins with
+
+    def request(keys: list[OffloadKey], hint: Hint | None) -> None:
+        found = manager.lookup_prefix(keys)
+        out = manager.prepare_store(keys[found:])
+        assert out is not None
+        manager.complete_store(out.keys_to_store)
+        manager.touch(keys, hint)
+
+    for c in range(10, 16):  # six conversations of two turns each
+        request([*system, k(c * 10)], Hint(retain_s=60))
+        request([*system, k(c * 10), k(c * 10 + 1)], Hint(retain_s=60))
+    request([*system, k(100), k(101), k(102)], Hint(release=True))  # one of them ends
+    stats = manager.statistics().hints
+    assert stats is not None
+    assert stats.released == 3  # its own three blocks, not the shared two
+
+
 def test_released_keys_of_the_lowest_priority_go_first() -> None:
     manager = CPUOffloadingManager(3, "lru")
     for i, priority in enumerate((5, -3, 0)):

@@ -7,9 +7,13 @@ honours hints without knowing of them:
 
 - *released* keys (the conversation is over) go first, the lowest priority
   first, then the oldest release; they leave the policy by ``remove`` (no
-  ghost: nobody asked to keep them). A key used again by any request is no
-  longer released (a shared system prompt is never lost to one conversation's
-  end);
+  ghost: nobody asked to keep them). A release covers the request's own part
+  of the prefix, not the head other requests share: the book counts the
+  requests that used each key of the tier, and a release starts after the last
+  sharp drop of that count along the prefix (more than twice plus one: a
+  system prompt used by every conversation, then one conversation's blocks,
+  used by its few turns). A key used again by any request is no longer
+  released either;
 - *retained* keys (used again within ``retain_s``) are protected from the
   policy's choice until their deadline, within ``share`` of the tier: when more
   are retained, the lowest priority, then the oldest retention, loses its
@@ -273,6 +277,7 @@ class HintBook:
         self._released = _Buckets()
         self._accuracy = _Accuracy(capacity, memory)
         self._follow = [True, True]  # releases, retentions
+        self._uses: dict[OffloadKey, int] = {}  # held keys -> requests that used them
         #: Whether a hint was ever given (or since the last `clear`): until then the
         #: manager calls the policy alone, as if there were no book.
         self.engaged = False
@@ -308,6 +313,11 @@ class HintBook:
         if released:
             for key in keys:
                 released.pop(key)
+        if self.engaged:
+            uses = self._uses
+            for key in keys:
+                if key in held:
+                    uses[key] = uses.get(key, 0) + 1
         self.apply(keys, hint, held)
 
     def _judge(self) -> None:
@@ -338,6 +348,7 @@ class HintBook:
         self._hinted_keys += len(mine)
         if hint.release:
             retained = self._retained
+            mine = mine[self._shared_head(mine) :]
             for key in mine:
                 retained.pop(key)
                 released.put(key, 0.0, hint.priority)
@@ -348,6 +359,20 @@ class HintBook:
                 old = retained.get(key)
                 retained.put(key, deadline if old is None else max(old, deadline), hint.priority)
             self._bound()
+
+    def _shared_head(self, keys: Sequence[OffloadKey]) -> int:
+        """How many of a request's leading ``keys`` other requests share: up to the last
+        sharp drop of the use counts along the prefix (a branch point: a system prompt
+        used by every conversation, then one conversation's own blocks)."""
+        uses = self._uses
+        head = 0
+        before = uses.get(keys[0], 0) if keys else 0
+        for i in range(1, len(keys)):
+            now = uses.get(keys[i], 0)
+            if before > 2 * now + 1:
+                head = i
+            before = now
+        return head
 
     def _bound(self) -> None:
         """Drop retentions past the share: expired ones first, then the lowest priority,
@@ -414,16 +439,18 @@ class HintBook:
 
     def forget(self, keys: Sequence[OffloadKey]) -> None:
         """``keys`` left the tier: their hints go with them."""
-        released, retained = self._released, self._retained
+        released, retained, uses = self._released, self._retained, self._uses
         for key in keys:
             released.pop(key)
             retained.pop(key)
+            uses.pop(key, None)
 
     def clear(self) -> None:
         """Forget every hint and what they were measured to be worth (a tier reset)."""
         self._released.clear()
         self._retained.clear()
         self._accuracy.clear()
+        self._uses.clear()
         self._follow = [True, True]
         self.engaged = False
 
