@@ -12,7 +12,10 @@ default, takes a free port), and serves, with the standard library only:
   derived from their hash) and stored. The answer says how many came from where, and
   whether every loaded byte was the one computed for its chunk. A prompt of more
   blocks than the GPU KV cache has is 413; one that finds too few free now (the
-  requests in flight hold them), 503: try again.
+  requests in flight hold them), 503: try again. An ``X-Tiering-Hint`` header carries
+  the request's retention hint, as JSON (`tiering.hints`): ``{"retain_s": 600}``
+  (the conversation goes on: keep its prefix), ``{"release": true}`` (it is over: its
+  chunks go first), with an optional ``"priority"``; a bad one is 400, in one line.
 - ``GET /metrics``: the engine's Prometheus metrics (the CPU tier's and the disk
   tier's, ``tier="cpu"`` and ``tier="disk"``).
 
@@ -33,12 +36,14 @@ import sys
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
+import msgspec
 import torch
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from tiering import GPULoadStoreSpec, OffloadingConfig, TieringEngine, make_offload_key
 from tiering.config import load_config
 from tiering.errors import ChunkStateError, TieringError
+from tiering.hints import Hint, HintError, payload_hint
 from tiering.metrics import render_metrics
 from tiering.secondary.disk import DiskTier
 
@@ -110,8 +115,28 @@ class Unusable(Exception):
     """Something the operator gave that cannot be used: one line, exit code 2."""
 
 
-async def generate(engine: TieringEngine, gpu: EmulatedGPU, prompt: str) -> dict[str, object]:
-    """Serve one request's prefix: load what the tiers hold, compute and store the rest."""
+def request_hint(header: str | None) -> Hint | None:
+    """The retention hint of a request's ``X-Tiering-Hint`` header (None without one)."""
+    if header is None:
+        return None
+    try:
+        return payload_hint(msgspec.json.decode(header), "the X-Tiering-Hint header")
+    except HintError as error:
+        raise Refused("400 Bad Request", str(error)) from None
+    except msgspec.DecodeError as error:
+        raise Refused(
+            "400 Bad Request",
+            f"the X-Tiering-Hint header is not JSON ({error}); "
+            'send one such as {"retain_s": 600}',
+        ) from None
+
+
+async def generate(
+    engine: TieringEngine, gpu: EmulatedGPU, prompt: str, hint: Hint | None = None
+) -> dict[str, object]:
+    """Serve one request's prefix: load what the tiers hold, compute and store the rest;
+    its ``hint`` goes with its use and its store, and to the chunks it loaded in every
+    tier (written below by earlier requests)."""
     digests = prefix_hashes(prompt, engine.config.groups[0].tokens_per_block)
     keys = [make_offload_key(digest) for digest in digests]
     if len(keys) > GPU_BLOCKS:  # never fits, however long it waits
@@ -140,14 +165,18 @@ async def generate(engine: TieringEngine, gpu: EmulatedGPU, prompt: str) -> dict
         gpu.compute(blocks[hits:], digests[hits:])  # what no tier held: the model computes it
         store = None
         if hits < len(keys):
-            store = await engine.submit_store(keys[hits:], GPULoadStoreSpec(blocks[hits:]))
+            store = await engine.submit_store(
+                keys[hits:], GPULoadStoreSpec(blocks[hits:]), hint=hint
+            )
         loaded = await load if load is not None else None
         verified = gpu.holds(blocks[:hits], digests[:hits]) if loaded and loaded.success else None
         if loaded is not None and not loaded.success:  # a failed load is a result: recompute
             gpu.compute(blocks[:hits], digests[:hits])
         await engine.flush(blocks)  # the store has read the blocks: they may be reused
         stored = await store if store is not None else None
-        engine.touch(keys)  # the request's recency, head first
+        engine.touch(keys, hint)  # the request's recency, head first, and its hint
+        if hint is not None and hits:
+            await engine.hint(keys[:hits], hint)
     finally:
         gpu.give_back(blocks)
     return {
@@ -192,8 +221,10 @@ async def serve(engine: TieringEngine, gpu: EmulatedGPU, host: str, port: int) -
     ) -> None:
         try:
             method, target, _ = (await reader.readline()).decode("latin-1").split(" ", 2)
-            while (await reader.readline()) not in (b"\r\n", b"\n", b""):
-                pass  # the headers: nothing here needs them
+            headers: dict[str, str] = {}
+            while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
+                name, _, value = line.decode("latin-1").partition(":")
+                headers[name.strip().lower()] = value.strip()
         except (ValueError, asyncio.LimitOverrunError):
             await respond(writer, "400 Bad Request", b"bad request\n", "text/plain")
             return
@@ -208,7 +239,8 @@ async def serve(engine: TieringEngine, gpu: EmulatedGPU, host: str, port: int) -
             try:
                 if prompts is None:
                     raise Refused("400 Bad Request", "no prompt: GET /generate?prompt=TEXT")
-                answer = await generate(engine, gpu, prompts[0])
+                hint = request_hint(headers.get("x-tiering-hint"))
+                answer = await generate(engine, gpu, prompts[0], hint)
             except Refused as refused:
                 answer, status = {"error": str(refused)}, refused.status
             else:

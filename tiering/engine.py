@@ -65,6 +65,7 @@ from tiering.cpu.manager import CPUOffloadingManager
 from tiering.errors import ChunkStateError, ConfigError, ResourceClosedError, SpecError
 from tiering.events import ChunkBlocks, KVEventsConfig
 from tiering.events.bus import EventSubscription
+from tiering.hints import Hint, check_hint
 from tiering.policies import CachePolicy
 from tiering.scheduler import JobHandle, Scheduler, SchedulerLimits, manager_job
 from tiering.secondary import SecondaryTier
@@ -128,6 +129,20 @@ class TieringEngine:
     loop that changed the tier, to `subscribe`rs and, when ``events`` is
     given, on its ZMQ endpoint (moved by ``config.parallel.data_parallel_index``,
     as vLLM moves each data-parallel rank's). Without it, no event is built.
+
+    Retention hints (`tiering.hints`: what a client or a router knows of a
+    request's prefix) come with a request's `touch` and `submit_store`: the
+    CPU tier honours them at once, and a store's travels with its write-through
+    to the tiers below (the disk tier evicts released values first and spares
+    retained ones; a Redis tier sets their TTL); `hint` applies one later, to
+    every tier (a conversation closed after its last turn). A bad hint is a
+    `HintError` before anything changes::
+
+        keep = Hint(retain_s=600)                    # the conversation goes on
+        job = await engine.submit_store(keys[hits:], gpu_spec, hint=keep)
+        engine.touch(keys, keep)
+        ...
+        await engine.hint(keys, Hint(release=True))  # it is over: its chunks go first
     """
 
     def __init__(
@@ -275,10 +290,17 @@ class TieringEngine:
         self._check_open()
         return prefix_lookup(self.manager, keys)
 
-    def touch(self, keys: Sequence[OffloadKey]) -> None:
-        """Commit a finished request's recency, keys head first (the engine must be open)."""
+    def touch(self, keys: Sequence[OffloadKey], hint: Hint | None = None) -> None:
+        """Commit a finished request's recency, keys head first (the engine must be open),
+        and its retention ``hint`` (`tiering.hints.Hint`), once per request.
+
+        The hint reaches the CPU tier only (a touch does no I/O); `hint` applies one
+        to every tier, and a store's ``hint`` travels with its write-through. A bad
+        hint is refused (`HintError`) before anything changes.
+        """
+        hint = check_hint(hint)
         self._check_open()
-        self.manager.touch(keys)
+        self.manager.touch(keys, hint)
 
     # -- jobs -----------------------------------------------------------------
 
@@ -291,6 +313,7 @@ class TieringEngine:
         gpu: GPULoadStoreSpec,
         *,
         blocks: Sequence[ChunkBlocks | None] | None = None,
+        hint: Hint | None = None,
     ) -> JobHandle:
         """Queue a store of ``keys`` (one per chunk of ``gpu``); `anyio.WouldBlock` if full.
 
@@ -298,14 +321,30 @@ class TieringEngine:
         `BlockStored` event: their hashes, and optionally their token ids and
         the parent hash ("self-describing" events). Ignored unless events are on
         and ``config.extra_config["self_describing_kv_events"]`` asks for them.
+
+        ``hint`` (`tiering.hints.Hint`) is the request's retention hint: it applies
+        to ``keys`` in the CPU tier (those already there, and those stored, unless
+        the store fails), and travels with the write-through of those this store
+        writes to the tiers below (the disk tier evicts released values first and
+        spares retained ones, a Redis tier sets their TTL; values written there
+        before get it from `hint`). A bad hint is refused (`HintError`) before
+        anything is queued.
         """
+        hint = check_hint(hint)
         self._check_open()
-        events = self._events
-        if blocks is None or events is None:
-            return self.scheduler.submit_nowait(STORE, keys, gpu)
-        events.check(keys, blocks)
+        if hint is not None and hint.empty:
+            hint = None
+        events, chain = self._events, self._chain
+        if blocks is not None and events is not None:
+            events.check(keys, blocks)
+        fresh = chain.landing_keys(keys, hint) if chain is not None else None
         handle = self.scheduler.submit_nowait(STORE, keys, gpu)
-        events.describe(manager_job(handle.job_id), keys, blocks)
+        if blocks is not None and events is not None:
+            events.describe(manager_job(handle.job_id), keys, blocks)
+        if hint is not None:
+            self.manager.hint(keys, hint)
+        if fresh and chain is not None:
+            chain.hint_landing(fresh, hint)
         return handle
 
     def submit_load_nowait(self, keys: Sequence[OffloadKey], gpu: GPULoadStoreSpec) -> JobHandle:
@@ -314,19 +353,18 @@ class TieringEngine:
         return self.scheduler.submit_nowait(LOAD, keys, gpu)
 
     async def submit_store(
-        self,
-        keys: Sequence[OffloadKey],
-        gpu: GPULoadStoreSpec,
-        *,
-        blocks: Sequence[ChunkBlocks | None] | None = None,
-    ) -> JobHandle:
+        self, keys: Sequence[OffloadKey], gpu: GPULoadStoreSpec, *,
+        blocks: Sequence[ChunkBlocks | None] | None = None, hint: Hint | None = None,
+    ) -> JobHandle:  # fmt: skip
         """Queue a store, waiting for room in the queue; returns its handle at once after.
 
         Always a checkpoint (also for a store that ends at submission: keys
-        all present, or no room), so a loop of them lets the loop run.
+        all present, or no room), so a loop of them lets the loop run. ``hint``
+        as for `submit_store_nowait` (a bad one refused before the checkpoint).
         """
+        hint = check_hint(hint)
         return await self.scheduler.submit_waiting(
-            STORE, lambda: self.submit_store_nowait(keys, gpu, blocks=blocks)
+            STORE, lambda: self.submit_store_nowait(keys, gpu, blocks=blocks, hint=hint)
         )
 
     async def submit_load(self, keys: Sequence[OffloadKey], gpu: GPULoadStoreSpec) -> JobHandle:
@@ -360,6 +398,28 @@ class TieringEngine:
             await anyio.lowlevel.checkpoint()
             return
         await self._chain.wait_idle()
+
+    async def hint(self, keys: Sequence[OffloadKey], hint: Hint) -> None:
+        """Apply a request's retention ``hint`` (`tiering.hints.Hint`) to ``keys`` wherever
+        they live now: the CPU tier (those it holds, without a use), then each tier
+        below that honours hints (one round trip each; the others count it ignored).
+
+        For a hint that comes after the request's touch and store (a conversation
+        closed later: ``Hint(release=True)``); a value whose write-through is still
+        on its way lands with its store's hint (`wait_written_through` first where
+        that matters). A bad hint is refused (`HintError`) before anything changes.
+        Always a checkpoint.
+        """
+        checked = check_hint(hint)
+        self._check_open()
+        if checked is None or checked.empty:
+            await anyio.lowlevel.checkpoint()
+            return
+        self.manager.hint(keys, checked)
+        if self._chain is None:
+            await anyio.lowlevel.checkpoint()
+            return
+        await self._chain.hint(keys, checked)
 
     async def promote(self, keys: Sequence[OffloadKey], start: int = 0) -> Promotion:
         """Bring the chunks after the first ``start`` of ``keys`` in from the tiers below.

@@ -56,6 +56,7 @@ import msgspec
 from tiering._types import OffloadKey
 from tiering.cpu.manager import CPUOffloadingManager
 from tiering.errors import ChunkStateError, ConfigError
+from tiering.hints import Hint
 
 __all__ = [
     "FlowCounts",
@@ -105,13 +106,15 @@ class FlowJob(msgspec.Struct, frozen=True, gc=False):
 
 class WriteTicket(msgspec.Struct, frozen=True, gc=False):
     """Chunks pinned for a write-through to tier ``tier`` (an index): the rows of
-    ``chunk_ids`` hold ``keys`` until the ticket is settled or a reset voids it."""
+    ``chunk_ids`` hold ``keys`` until the ticket is settled or a reset voids it;
+    ``hint`` is the retention hint of the store that made them (`tiering.hints`)."""
 
     job: FlowJob
     tier: int
     keys: tuple[OffloadKey, ...]
     chunk_ids: tuple[int, ...]
     generation: int
+    hint: Hint | None = None
 
 
 class PromotionTicket(msgspec.Struct, frozen=True, gc=False):
@@ -259,10 +262,13 @@ class Flows:
         """Chunks of ``tier``'s write-throughs whose rows are being read now."""
         return self._tiers[tier].reading
 
-    def reserve_write(self, tier: int, keys: Sequence[OffloadKey]) -> WriteTicket | None:
-        """Pin landed ``keys`` to be written through to ``tier``; None (the chunks counted
-        as dropped) when the intake is closed, fenced, or they would take the tier's
-        pins past its bound (a batch is dropped whole), or one is no longer ready."""
+    def reserve_write(
+        self, tier: int, keys: Sequence[OffloadKey], hint: Hint | None = None
+    ) -> WriteTicket | None:
+        """Pin landed ``keys`` to be written through to ``tier`` (with the ``hint`` of the
+        store that made them); None (the chunks counted as dropped) when the intake is
+        closed, fenced, or they would take the tier's pins past its bound (a batch is
+        dropped whole), or one is no longer ready."""
         if not keys:
             return None
         state = self._tiers[tier]
@@ -281,7 +287,7 @@ class Flows:
         counts["cascade_queued"] += n
         counts["cascade_pinned"] += n
         ids = tuple(spec.chunk_ids.tolist())
-        return WriteTicket(job, tier, tuple(keys), ids, self._generation)
+        return WriteTicket(job, tier, tuple(keys), ids, self._generation, hint)
 
     def refuse_write(self, ticket: WriteTicket) -> None:
         """The shell could not queue ``ticket`` (its queue is full or closed): unpin its

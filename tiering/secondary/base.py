@@ -36,6 +36,14 @@ checks each on every tier):
   (so they sum to ``write_errors_total``), a refusal in ``refused_*`` and not
   also as an error, a failed call in ``errors_total``.
 - **Every call is a checkpoint** (trio's rule), even one answered without I/O.
+
+Retention hints (`tiering.hints`): a tier that honours them says so
+(``honours_hints``): its `SecondaryTier.write_hinted` writes chunks with the
+``hint`` of the store that made them, and `SecondaryTier.hint` applies one to
+values it holds already. The disk tier evicts released values first and spares retained ones
+(within a share of its capacity); a Redis tier sets their TTL. A tier that does
+not honour them is never handed one: the chain counts the hints it drops
+(``hints_ignored`` in `~tiering.secondary.cascade.SecondaryTierStatistics`).
 """
 
 from __future__ import annotations
@@ -47,10 +55,12 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import anyio.lowlevel
 import msgspec
 from anyio.abc import AsyncResource
 
 from tiering._types import Medium, OffloadKey
+from tiering.hints import Hint
 from tiering.secondary.codec import ChunkCodec, RemoteNamespace, Verdict
 from tiering.secondary.refusals import Unwritten, refused_reason
 
@@ -151,6 +161,9 @@ class SecondaryStatistics(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     #: What the tier holds at most now: ``capacity_bytes`` (as configured), or less
     #: where its file system holds less (the disk tier); None where it does not say.
     effective_capacity_bytes: int | None = None
+    #: Values a retention hint was applied to (written with one, or hinted after),
+    #: by a tier that honours hints (`SecondaryTier.honours_hints`).
+    hinted_total: int = 0
 
 
 #: Why chunks handed to `SecondaryTier.write` were not written (see `SecondaryStatistics`):
@@ -171,6 +184,7 @@ class TierCounters:
         "busy_total",
         "contains_calls",
         "errors_total",
+        "hinted_total",
         "hits_total",
         "last_error",
         "last_refusal",
@@ -202,7 +216,7 @@ class TierCounters:
         self.write_calls = self.writes_total = self.write_bytes_total = 0
         self.write_errors_total = self.errors_total = self.timeouts_total = 0
         self.unavailable_total = self.reconnects_total = self.round_trips_total = 0
-        self.busy_total = self.refused_total = 0
+        self.busy_total = self.refused_total = self.hinted_total = 0
         self.refused_by_reason: dict[str, int] = {}
         self.rejected_by_reason: dict[str, int] = {}
         self.write_errors_by_reason: dict[str, int] = {}
@@ -317,6 +331,10 @@ class SecondaryTier(AsyncResource):
     #: by a tier that knows (the disk tier; a Redis evicts on its own, unseen). The
     #: engine sets it to announce them as KV events.
     on_removed: Callable[[Sequence[OffloadKey]], None] | None = None
+    #: Whether the tier honours retention hints (`tiering.hints`): its `write_hinted`
+    #: and `hint` apply them. A tier that does not ignores them (the chain counts
+    #: those it drops).
+    honours_hints: bool = False
 
     @property
     def namespace(self) -> RemoteNamespace:
@@ -351,6 +369,19 @@ class SecondaryTier(AsyncResource):
         unspecified and must not be used. Raises `SpecError` for a buffer that
         is read-only or not exactly ``row_bytes`` bytes.
         """
+
+    async def write_hinted(self, items: Sequence[WriteItem], hint: Hint) -> int:
+        """`write`, the chunks carrying the retention ``hint`` of the store that made
+        them. A tier that does not honour hints (this default) just writes them."""
+        return await self.write(items)
+
+    async def hint(self, keys: Sequence[OffloadKey], hint: Hint) -> int:
+        """Apply a request's retention ``hint`` to those of ``keys`` the tier holds now;
+        return how many it applied to. One round trip for the batch; failures are
+        counted, never raised. A tier that does not honour hints (this default)
+        applies none; every call is a checkpoint."""
+        await anyio.lowlevel.checkpoint()
+        return 0
 
     @abc.abstractmethod
     def statistics(self) -> SecondaryStatistics:

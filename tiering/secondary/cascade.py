@@ -42,6 +42,7 @@ from tiering._types import OffloadKey
 from tiering.cpu.flows import Flows, WriteTicket, default_pin_bound
 from tiering.cpu.manager import CPUOffloadingManager
 from tiering.errors import ConfigError
+from tiering.hints import Hint
 from tiering.secondary.base import SecondaryStatistics, SecondaryTier
 
 __all__ = ["CascadeLimits", "Promotion", "SecondaryCascade", "SecondaryTierStatistics"]
@@ -82,8 +83,10 @@ class SecondaryTierStatistics(msgspec.Struct, frozen=True, kw_only=True):
     tier and not written); ``cascade_pinned`` is how many are queued or being
     written now (pinned in the CPU tier), at most ``cascade_max_pinned``;
     ``promoted`` counts chunks read into the CPU tier, ``promote_failed``
-    those the tier claimed but could not give. Read from the tier's
-    `tiering.cpu.flows.FlowCounts`.
+    those the tier claimed but could not give: read from the tier's
+    `tiering.cpu.flows.FlowCounts`. ``hints_sent`` counts chunks a retention hint
+    was handed to the tier for (with their write-through, or alone), ``hints_ignored``
+    those whose hint was dropped, the tier not honouring hints (the cascade's own).
     """
 
     tier: SecondaryStatistics
@@ -96,10 +99,12 @@ class SecondaryTierStatistics(msgspec.Struct, frozen=True, kw_only=True):
     cascade_max_pinned: int
     promoted: int
     promote_failed: int
+    hints_sent: int = 0
+    hints_ignored: int = 0
 
 
 #: The fields of `SecondaryTierStatistics` read from the tier's `FlowCounts`, by name.
-_FROM_FLOWS = SecondaryTierStatistics.__struct_fields__[2:]
+_FROM_FLOWS = SecondaryTierStatistics.__struct_fields__[2:-2]
 
 
 class Promotion(msgspec.Struct, frozen=True):
@@ -154,6 +159,7 @@ class SecondaryCascade:
         self._send: MemoryObjectSendStream[WriteTicket] | None = None  # made by start
         self._idle: anyio.Event | None = None  # made by a waiter; set when nothing is pinned
         self._writers = 0  # write-through tasks still running
+        self._hints = [0, 0]  # chunks whose hint was handed to the tier, dropped
 
     @property
     def max_pinned(self) -> int:
@@ -209,9 +215,10 @@ class SecondaryCascade:
 
     # -- write-through ----------------------------------------------------------
 
-    def stored(self, keys: tuple[OffloadKey, ...]) -> None:
-        """A store of ``keys`` landed in the CPU tier: queue them to be written through."""
-        ticket = self.flows.reserve_write(self.index, keys)
+    def stored(self, keys: tuple[OffloadKey, ...], hint: Hint | None = None) -> None:
+        """A store of ``keys`` landed in the CPU tier: queue them to be written through,
+        with the retention ``hint`` of the store that made them."""
+        ticket = self.flows.reserve_write(self.index, keys, hint)
         if ticket is None:
             return
         assert self._send is not None  # the intake is open only once start made it
@@ -252,7 +259,11 @@ class SecondaryCascade:
                 rows = [
                     (k, self._row(c)) for k, c in zip(ticket.keys, ticket.chunk_ids, strict=True)
                 ]
-                written = await self.tier.write(rows)
+                if ticket.hint is None:
+                    written = await self.tier.write(rows)
+                else:
+                    self._count_hint(len(rows))
+                    written = await self.tier.write_hinted(rows, ticket.hint)
             except Exception:
                 logger.exception("secondary tier: a write-through failed")
         if self._settle(ticket, written) and self._on_written is not None:
@@ -267,6 +278,22 @@ class SecondaryCascade:
             self._idle.set()
             self._idle = None
         return whole
+
+    async def hint(self, keys: Sequence[OffloadKey], hint: Hint) -> None:
+        """Apply a retention ``hint`` to the values of ``keys`` the tier holds (one round
+        trip), or count it ignored where the tier does not honour hints. A checkpoint;
+        never raises but a cancellation or a closed tier's `ResourceClosedError`."""
+        if not self._count_hint(len(keys)) or not keys:
+            await anyio.lowlevel.checkpoint()
+            return
+        await self.tier.hint(keys, hint)
+
+    def _count_hint(self, chunks: int) -> bool:
+        """Count a hint for ``chunks`` chunks handed to the tier, or dropped; whether the
+        tier honours hints."""
+        honoured = self.tier.honours_hints
+        self._hints[0 if honoured else 1] += chunks
+        return honoured
 
     # -- resets -----------------------------------------------------------------
 
@@ -285,7 +312,14 @@ class SecondaryCascade:
     def statistics(self) -> SecondaryTierStatistics:
         counts = msgspec.structs.asdict(self.flows.counts(self.index))
         flows = {name: counts[name] for name in _FROM_FLOWS}
-        return SecondaryTierStatistics(tier=self.tier.statistics(), label=self.tier.label, **flows)
+        sent, ignored = self._hints
+        return SecondaryTierStatistics(
+            tier=self.tier.statistics(),
+            label=self.tier.label,
+            **flows,
+            hints_sent=sent,
+            hints_ignored=ignored,
+        )
 
     def __repr__(self) -> str:
         c = self.flows.counts(self.index)

@@ -24,6 +24,15 @@ Design note: a write, in two steps.
   for the next write to delete (their room is counted as taken until then), and
   a measure of the file system (``space``) refits the effective capacity.
 
+Retention hints (`tiering.hints`): the index holds a `HintBook`, as the CPU
+tier's manager does, and asks it, not the policy, for victims: released values
+go first, retained ones are spared until their deadline within ``hint_share``
+of the tier (a preference, never a pin), and without a hint the policy decides
+alone, victim for victim. Writes and whole reads are the tier's uses
+(`HintBook.note`: a released value used again is no longer released); a write
+carries the hint of the store that made it, `hint` applies one to values held.
+Hints live in memory: a restart forgets them (the values stay).
+
 Invariants (checked by the tests): ``used`` is the sum of the sizes; ``used``
 plus what writes reserve stays within the effective capacity (the file system
 may lower it below ``used`` until the next write evicts; so may a value lost
@@ -40,7 +49,9 @@ import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from tiering._types import OffloadKey
+from tiering.hints import Hint
 from tiering.policies import CachePolicy
+from tiering.policies.hints import DEFAULT_HINT_SHARE, HintBook
 from tiering.secondary.disk.layout import WriteOutcome
 
 __all__ = ["DiskIndex", "Settled", "WritePlan"]
@@ -87,7 +98,8 @@ class DiskIndex:
     """The index of one disk tier: at most ``capacity_bytes`` of values (less while the
     file system holds less: `fit`), evicted in ``policy``'s order. ``value_bytes(key)``
     is the size of ``key``'s value file; ``announce(keys)`` is told of every value that
-    leaves the index (evicted, lost or forgotten)."""
+    leaves the index (evicted, lost or forgotten). Retained values hold at most
+    ``hint_share`` of it (see the module's note)."""
 
     def __init__(
         self,
@@ -95,8 +107,13 @@ class DiskIndex:
         capacity_bytes: int,
         value_bytes: Callable[[OffloadKey], int],
         announce: Callable[[Sequence[OffloadKey]], None],
+        *,
+        hint_share: float = DEFAULT_HINT_SHARE,
     ) -> None:
         self.policy = policy
+        chunks = max(1, capacity_bytes // value_bytes(_PLAIN_KEY))
+        #: The retention hints of the values held (`tiering.policies.hints`).
+        self.hints = HintBook(chunks, share=hint_share)
         self.capacity_bytes = capacity_bytes
         #: What the tier holds at most now: the configured capacity, or less where its
         #: file system holds less (see `fit`).
@@ -135,6 +152,7 @@ class DiskIndex:
         of the index; their files are the caller's to delete)."""
         self.sizes.clear()
         self.policy.clear()
+        self.hints.clear()
         self.used = 0
         for key, size, _ in values:
             self.sizes[key] = size
@@ -271,6 +289,17 @@ class DiskIndex:
             self.policy.touch(again)
         return len(out.renamed)
 
+    def written(self, keys: Sequence[OffloadKey], hint: Hint | None) -> None:
+        """``keys`` were written (a use), carrying the ``hint`` of the store that made them
+        (or none): it applies to those held."""
+        if keys:
+            self.hints.note(keys, hint, self.sizes)
+
+    def hint(self, keys: Sequence[OffloadKey], hint: Hint) -> int:
+        """Apply ``hint`` to those of ``keys`` held, without a use; how many are held."""
+        self.hints.apply(keys, hint, self.sizes)
+        return sum(1 for key in keys if key in self.sizes)
+
     def _take_trash(self) -> list[OffloadKey]:
         trash = [k for k in self.trash if k not in self.sizes and k not in self.writing]
         self.trash.clear()
@@ -295,9 +324,11 @@ class DiskIndex:
         return fresh
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
-        """``keys`` were read whole: used now, in the policy's order."""
+        """``keys`` were read whole: used now, in the policy's order (a released value
+        read again is no longer released)."""
         if keys:
             self.policy.touch(keys)
+            self.hints.note(keys, None, self.sizes)
 
     # -- leaving the index ----------------------------------------------------------------
 
@@ -305,7 +336,7 @@ class DiskIndex:
         """Victims that free at least ``need`` bytes, out of the index (None: not possible)."""
         if need <= 0:
             return []
-        victims = self.policy.evict(math.ceil(need / self.unit), protected)
+        victims = self.hints.evict(self.policy, math.ceil(need / self.unit), protected)
         if victims is None:
             return None
         for key in victims:
@@ -320,6 +351,7 @@ class DiskIndex:
         if size is not None:
             self.used -= size
             self.policy.remove([key])
+            self.hints.forget([key])
             self._announce([key])
 
     def lose(self, key: OffloadKey) -> None:

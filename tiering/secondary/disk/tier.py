@@ -73,6 +73,10 @@ Design note:
   removed (or replaced) takes the tier down: calls are misses without I/O until
   the retry time, when the folder is made again and the index rebuilt from what
   is in it. Nothing wrong is ever loaded.
+- **Hints.** A retention hint (`tiering.hints`) a write carries, or `hint`
+  applies, steers the index's evictions (`tiering.secondary.disk.index`):
+  released values go first, retained ones are spared until their deadline
+  within ``hint_share`` of the capacity. Held in memory, not in the files.
 """
 
 from __future__ import annotations
@@ -92,7 +96,9 @@ from tiering._closing import AsyncLifecycle
 from tiering._types import Medium, OffloadKey
 from tiering.config import DEFAULT_POLICY
 from tiering.errors import ConfigError
+from tiering.hints import Hint
 from tiering.policies import CachePolicy, create_policy
+from tiering.policies.hints import DEFAULT_HINT_SHARE
 from tiering.secondary._threads import ThreadCalls
 from tiering.secondary.auth import AuthKey
 from tiering.secondary.base import (
@@ -184,7 +190,9 @@ class DiskTier(DiskShell):
     (0o600 to 0o777, the owner's read and write at least; 0o640 or 0o660 for a
     group that shares the tier) sets the files' mode, and the folders get it plus
     search where it has read. An existing folder open to other users beyond that
-    gets one warning line at open, and is left as it is.
+    gets one warning line at open, and is left as it is. ``hint_share`` is the
+    share of the capacity retained values may hold, spared from evictions
+    (`tiering.policies.hints`).
     """
 
     name = "disk"
@@ -192,6 +200,7 @@ class DiskTier(DiskShell):
     medium = Medium.STORAGE
     locality = Locality.LOCAL
     write_concurrency = 2  # a write's file work overlaps the next one's hand-off
+    honours_hints = True
     #: Seconds between a write's measures of free space (`SPACE_CHECK_S`).
     space_check_s = SPACE_CHECK_S
 
@@ -212,6 +221,7 @@ class DiskTier(DiskShell):
         checksum: Checksum = Checksum.XXH3,
         auth_key: AuthKey | None = None,
         file_mode: int = DEFAULT_FILE_MODE,
+        hint_share: float = DEFAULT_HINT_SHARE,
     ) -> None:
         file_mode = _check_file_mode(file_mode)
         if fsync not in FSYNC_POLICIES:
@@ -233,7 +243,9 @@ class DiskTier(DiskShell):
         self.touch_reads = touch_reads
         chunks = max(1, capacity_bytes // value)
         self.policy = create_policy(policy, chunks) if isinstance(policy, str) else policy
-        self._index = DiskIndex(self.policy, capacity_bytes, self._value_bytes, self._removed)
+        self._index = DiskIndex(
+            self.policy, capacity_bytes, self._value_bytes, self._removed, hint_share=hint_share
+        )
         self._files = DiskFiles(
             self.path, self.codec, fsync=fsync, direct=False, read_only=read_only,
             file_mode=file_mode,
@@ -306,6 +318,20 @@ class DiskTier(DiskShell):
         return c.found([key in index for key in keys])
 
     async def write(self, items: Sequence[WriteItem]) -> int:
+        return await self._write_items(items, None)
+
+    async def write_hinted(self, items: Sequence[WriteItem], hint: Hint) -> int:
+        return await self._write_items(items, hint)
+
+    async def hint(self, keys: Sequence[OffloadKey], hint: Hint) -> int:
+        self._life.check_open()
+        if not await self._scanned(len(keys)) or hint.empty:  # a checkpoint either way
+            return 0
+        applied = self._index.hint(keys, hint)
+        self._counters.hinted_total += applied
+        return applied
+
+    async def _write_items(self, items: Sequence[WriteItem], hint: Hint | None) -> int:
         self._life.check_open()
         rows = [(key, payload_row(row, self.row_bytes)) for key, row in items]
         c = self._counters
@@ -329,7 +355,7 @@ class DiskTier(DiskShell):
             c.unavailable_total += 1
             await anyio.lowlevel.checkpoint()
             return c.written(0, len(rows), self.row_bytes, cause=Unwritten.BACKING_OFF)
-        return await self._write(rows, writing)
+        return await self._write(rows, writing, hint)
 
     async def read(self, items: Sequence[ReadItem]) -> list[bool]:
         self._life.check_open()
@@ -386,7 +412,9 @@ class DiskTier(DiskShell):
 
     # -- writes ---------------------------------------------------------------------------
 
-    async def _write(self, rows: list[tuple[OffloadKey, memoryview]], writing: Admission) -> int:
+    async def _write(
+        self, rows: list[tuple[OffloadKey, memoryview]], writing: Admission, hint: Hint | None
+    ) -> int:
         plans: list[WritePlan] = []  # the one plan, made once a worker thread is ours
         out = WriteOutcome()
 
@@ -408,13 +436,19 @@ class DiskTier(DiskShell):
                 self._write_gate.release(writing)
                 written = self._counters.written(0, len(rows), self.row_bytes, cause=cause)
             else:
-                written = self._settle(plans[0], out, writing, cause)
+                written = self._settle(plans[0], out, writing, cause, hint)
         return written
 
-    def _settle(self, plan: WritePlan, out: WriteOutcome, writing: Admission, cause: str) -> int:
+    def _settle(
+        self, plan: WritePlan, out: WriteOutcome, writing: Admission, cause: str, hint: Hint | None
+    ) -> int:
         c = self._counters
-        before = self._index.effective_capacity_bytes
-        settled = self._index.settle(plan, out)
+        index = self._index
+        before = index.effective_capacity_bytes
+        settled = index.settle(plan, out)
+        index.written([plan.items[p][0] for p in out.renamed], hint)
+        if hint is not None and not hint.empty:
+            c.hinted_total += settled.written
         if out.not_regular:
             self._not_regular(out.not_regular, "written or evicted")
         self._capacity_moved(before)

@@ -33,6 +33,7 @@ class RedisOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """A `RedisTier`'s keyword options (what each means: `RedisTier`)."""
 
     ttl_s: _Seconds | None = None
+    release_ttl_s: _Seconds | None = None
     timeout_s: _Seconds = 2.0
     connect_timeout_s: _Seconds | None = None
     cluster: bool | None = None
@@ -55,6 +56,10 @@ class RedisOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                 raise ConfigError(f"{label} must be a positive number of seconds, got {value!r}")
         if self.ttl_s is not None and not self.ttl_s >= 0.001:
             raise ConfigError(f"ttl_s must be None or at least 0.001 seconds, got {self.ttl_s!r}")
+        if self.release_ttl_s is not None and not self.release_ttl_s >= 0.001:
+            raise ConfigError(
+                f"release_ttl_s must be None or at least 0.001 seconds, got {self.release_ttl_s!r}"
+            )
         _checksum(self.checksum)
 
     @property

@@ -38,6 +38,27 @@ keys miss and its writes are dropped and counted (``node down``), the other
 nodes' keys are served, and the tier is *down* only when every node that
 holds slots is. A replica promoted in its place, or the node's return, is
 found by its next probe. A standalone server is one gate, as above.
+
+Retention hints (`tiering.hints`) set TTLs; Redis evicts by its own policy,
+so a TTL is what the tier can say. The rule, at write (``SET ... PX``) and for
+values already written (``PEXPIRE``, one round trip per node):
+
+- a retention keeps a value at least ``retain_s``: written with the tier's
+  ``ttl_s``, it expires after ``max(ttl_s, retain_s)`` (a write sets a TTL
+  anew, as every write does); a hint on values already written raises their
+  TTL to that, never lowers one (``PEXPIRE ... GT``, Redis 7.0 or later: an
+  older server refuses it, counted), so a shorter retention never cuts a
+  longer one; without ``ttl_s`` values never expire, and a retention only
+  lifts a release's TTL (``PERSIST``);
+- a release changes nothing unless the tier has ``release_ttl_s`` (None by
+  default): the values of a namespace are every engine's that shares it, a
+  release is one conversation's, and a read does not lift a TTL, so one
+  conversation's end would expire a prefix the others share (a system prompt)
+  for all of them. Set ``release_ttl_s`` where a release speaks for every
+  engine (one engine's namespace): released values then expire after it (or
+  the tier's ``ttl_s`` if shorter), a TTL only ever lowered by it
+  (``PEXPIRE ... LT``);
+- a priority changes nothing here.
 """
 
 from __future__ import annotations
@@ -55,6 +76,7 @@ from tiering._extras import require
 from tiering._state import ResourceState
 from tiering._types import OffloadKey
 from tiering.errors import ConfigError
+from tiering.hints import Hint
 from tiering.secondary._threads import CallOutcome, ThreadCalls, ThreadedTier
 from tiering.secondary.base import (
     ReadItem,
@@ -91,6 +113,8 @@ class RedisTier(ThreadedTier, SecondaryTier):
     - ``cluster``: ``None`` detects it (``INFO cluster`` on connecting).
     - ``ttl_s``: expire written values (``SET ... PX``); capacity and eviction
       are otherwise the server's (``maxmemory`` and an LRU policy).
+    - ``release_ttl_s``: how soon a value released by a hint expires (None: a
+      release changes nothing; see the module's note on hints).
     - ``timeout_s`` bounds every call and every socket operation;
       ``connect_timeout_s`` (default: ``timeout_s``) each connect.
     - ``max_batch``: a call's keys go in pipelines of at most this many keys
@@ -117,6 +141,7 @@ class RedisTier(ThreadedTier, SecondaryTier):
     """
 
     name = "redis"
+    honours_hints = True
 
     def __init__(self, url: str, namespace: RemoteNamespace, **options: Any) -> None:
         require("redis", "redis", "the Redis tier")  # now, not at its first call
@@ -230,12 +255,53 @@ class RedisTier(ThreadedTier, SecondaryTier):
         return c.found(found)
 
     async def write(self, items: Sequence[WriteItem]) -> int:
+        return await self._write(items, self._wire.write)
+
+    async def write_hinted(self, items: Sequence[WriteItem], hint: Hint) -> int:
+        """`write`, each value expiring as ``hint`` says (see the module's note)."""
+        expiry = self._hint_expiry(hint)
+        if expiry is None:
+            return await self._write(items, self._wire.write)
+        written = await self._write(items, self._wire.writer(expiry[0]))
+        self._counters.hinted_total += written
+        return written
+
+    async def hint(self, keys: Sequence[OffloadKey], hint: Hint) -> int:
+        """Set the TTL of those of ``keys`` the server holds as ``hint`` says (``PEXPIRE``,
+        or ``PERSIST`` for a retention on a tier without ``ttl_s``): one round trip per
+        node; how many TTLs it set. Failures and refusals are counted as any call's."""
+        self._life.check_open()
+        expiry = self._hint_expiry(hint)
+        if expiry is None:
+            await anyio.lowlevel.checkpoint()
+            return 0
+        ttl_s, condition = expiry
+        rows = [(k, self.codec.remote_key(k), None) for k in keys]
+        answer, _ = await self._run(self._wire.expirer(ttl_s, condition), rows)
+        applied = sum(1 for v in answer.values if v) if answer is not None else 0
+        self._counters.hinted_total += applied
+        return applied
+
+    def _hint_expiry(self, hint: Hint) -> tuple[float | None, bytes] | None:
+        """The TTL values get from ``hint`` (None: never expire) and the condition a
+        ``PEXPIRE`` of values already written sets it on; None: the hint changes
+        nothing here (see the module's note)."""
+        ttl_s, release_s = self.options.ttl_s, self.options.release_ttl_s
+        if hint.release:
+            if release_s is None:
+                return None
+            return (release_s if ttl_s is None else min(ttl_s, release_s)), b"LT"
+        if hint.retain_s is None:
+            return None
+        return (None if ttl_s is None else max(ttl_s, hint.retain_s)), b"GT"
+
+    async def _write(self, items: Sequence[WriteItem], work: Work[bool]) -> int:
         self._life.check_open()
         rows = [(k, self.codec.remote_key(k), payload_row(p, self.row_bytes)) for k, p in items]
         c = self._counters
         c.write_calls += 1
         with c.cancelled_writes(len(rows), self.row_bytes):
-            answer, cause = await self._run(self._wire.write, rows, write=True)
+            answer, cause = await self._run(work, rows, write=True)
         if answer is None:
             return c.written(0, len(rows), self.row_bytes, cause=cause)
         written = sum(1 for v in answer.values if v)

@@ -431,9 +431,60 @@ class RedisWire:
         return receive
 
     def write(self, guard: Guard, answer: Answer[bool], rows: list[Row], batch: list[int]) -> None:
-        argc, expiry, ttl_s = 3, b"", self.options.ttl_s
+        """SET each row's value, expiring after the tier's ``ttl_s`` (if any)."""
+        self._write(guard, answer, rows, batch, self.options.ttl_s)
+
+    def writer(self, ttl_s: float | None) -> Work[bool]:
+        """The work of a write whose values expire after ``ttl_s`` (None: never), the
+        tier's ``ttl_s`` aside (a retention hint's: `RedisTier.write_hinted`)."""
+
+        def work(guard: Guard, answer: Answer[bool], rows: list[Row], batch: list[int]) -> None:
+            self._write(guard, answer, rows, batch, ttl_s)
+
+        return work
+
+    def expirer(self, ttl_s: float | None, condition: bytes = b"") -> Work[bool]:
+        """The work of setting each row's value to expire after ``ttl_s`` (``PEXPIRE``,
+        only where that is later than now, ``condition`` ``GT``, or sooner, ``LT``: Redis
+        7.0 or later; a value without a TTL expires never, for both), or never (None:
+        ``PERSIST``): ``True`` where the TTL was set (for ``PERSIST``, where the server
+        answered: it says 0 both for a value without a TTL and for none at all)."""
+        args: tuple[bytes, ...] = ()
+        expected: int | None = None
+        if ttl_s is None:
+            name = b"PERSIST"
+        else:
+            name, args, expected = b"PEXPIRE", (_milliseconds(ttl_s),), 1
+            if condition:
+                args += (condition,)
+
+        def work(guard: Guard, answer: Answer[bool], rows: list[Row], batch: list[int]) -> None:
+            def send(connection: Connection, positions: list[int]) -> None:
+                frames = b"".join(command(name, rows[p][1], *args) for p in positions)
+                connection.send(guard, frames)
+
+            def receive(connection: Connection, position: int) -> None:
+                reply = connection.reply(guard)
+                accepted = self.accepted(answer, connection, reply)
+                answer.values[position] = accepted and (
+                    reply == expected if expected is not None else isinstance(reply, int)
+                )
+
+            self.exchange(answer, rows, batch, send, receive)
+
+        return work
+
+    def _write(
+        self,
+        guard: Guard,
+        answer: Answer[bool],
+        rows: list[Row],
+        batch: list[int],
+        ttl_s: float | None,
+    ) -> None:
+        argc, expiry = 3, b""
         if ttl_s is not None:
-            ms = b"%d" % max(1, round(ttl_s * 1000))
+            ms = _milliseconds(ttl_s)
             argc, expiry = 5, b"$2\r\nPX\r\n$%d\r\n%s\r\n" % (len(ms), ms)
         codec = self.codec
 
@@ -499,6 +550,11 @@ class RedisWire:
     def __repr__(self) -> str:
         kind = "cluster" if self.cluster else "standalone" if self.cluster is False else "?"
         return f"<RedisWire [{self.url}; {kind}; {len(self._pools)} pools]>"
+
+
+def _milliseconds(seconds: float) -> bytes:
+    """``seconds`` as a ``PX`` or ``PEXPIRE`` argument: whole milliseconds, at least 1."""
+    return b"%d" % max(1, round(seconds * 1000))
 
 
 def _keys_sender(guard: Guard, rows: list[Row], name: bytes) -> Send:
