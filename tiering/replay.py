@@ -15,6 +15,18 @@ tensors where there is no GPU). Per request, one chunk per hash id:
 
 With ``concurrency=1`` the hit rate equals `tiering.sim`'s for the same
 trace, capacity and policy.
+
+With retention hints (``hints="continuation"``: `tiering.workload.hints`),
+each request's store carries its hint (to the CPU tier and the write-through
+below it) and so does its touch. The engine's clock is real time, and the
+replay does not pace requests by their timestamps: it serves them as fast as
+it can, so its seconds are not the workload's. A hint's ``retain_s`` (workload
+seconds) is therefore scaled by the replay's pace so far, real seconds per
+workload second since the first request (`_Retention`), once a minute of
+workload time has gone by (before that the estimate is noise, and the TTL is
+given as is: longer than the workload's in a replay that runs faster, bounded
+by the hints' share of the tier). So at ``concurrency=1`` a hinted replay is
+close to, not exactly, `tiering.sim`'s, whose clock is the workload's.
 """
 
 from __future__ import annotations
@@ -47,6 +59,7 @@ from tiering.config import (
 from tiering.engine import TieringEngine
 from tiering.errors import CapacityError, ChunkStateError, ConfigError
 from tiering.events import KVEventsConfig
+from tiering.hints import MAX_RETAIN_S, Hint
 from tiering.replay_result import ReplayResult, Tally, TierReport, format_bytes
 from tiering.scheduler import JobHandle
 from tiering.secondary import RemoteNamespace, SecondaryTier
@@ -56,6 +69,7 @@ from tiering.sim import Progress, requests_to_keys
 from tiering.specs import GPULoadStoreSpec
 from tiering.transfer import KVCacheTensor, KVLayout, available_host_bytes
 from tiering.workload import Request
+from tiering.workload.hints import HintSource, flip_mask, workload_hints
 
 __all__ = [
     "ReplayOptions",
@@ -93,6 +107,14 @@ class ReplayOptions(msgspec.Struct, frozen=True, kw_only=True):
     remote_password_file: str | None = None
     #: The disk and remote tiers' shared secret (`AuthKey`: its repr shows only its id).
     auth_key: AuthKey | None = None
+    #: Retention hints per request (`tiering.workload.hints`): none, or continuation;
+    #: the share of them given wrong, and the seed that picks which.
+    hints: str = "none"
+    hint_error: float = 0.0
+    hint_seed: int = 0
+    #: The built-in workload the requests come from (its continuation rule), None for
+    #: a trace.
+    workload: str | None = None
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.hold) and self.hold >= 0):
@@ -122,6 +144,15 @@ class ReplayOptions(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError(
                 f"give the remote tier's URL once: remote ({self.redacted_remote!r}) or "
                 "remote_url_env (the name of a variable holding it), not both"
+            )
+        if self.hints not in {source.value for source in HintSource}:
+            known = ", ".join(source.value for source in HintSource)
+            raise ConfigError(f"unknown hints {self.hints!r}; choose one of {known}")
+        flip_mask(0, self.hint_error, self.hint_seed)  # the error and seed's own checks
+        if self.hint_error and self.hints == HintSource.NONE.value:
+            raise ConfigError(
+                f"a hint error of {self.hint_error:g} spoils hints, and none were asked for: "
+                f"give hints={HintSource.CONTINUATION.value!r}"
             )
         if self.remote_password_file is not None and not self.has_remote:
             raise ConfigError(
@@ -228,6 +259,34 @@ class _Pages:
         return int(np.count_nonzero((got != seeds + self.base).any(axis=1)))
 
 
+class _Retention:
+    """Retention hints in the replay's own seconds (the module's docstring): a hint's
+    ``retain_s`` times the real seconds the replay has taken per workload second,
+    once ``_WARMUP_S`` workload seconds have gone by."""
+
+    _WARMUP_S = 60.0
+
+    def __init__(
+        self, times_s: Sequence[float], timer: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._first = times_s[0] if times_s else 0.0
+        self._timer = timer  # the manager's clock
+        self._start: float | None = None
+
+    def scaled(self, hint: Hint | None, time_s: float) -> Hint | None:
+        """``hint`` for a request of the workload's ``time_s``, served now."""
+        now = self._timer()
+        if self._start is None:
+            self._start = now
+        if hint is None or hint.retain_s is None:
+            return hint
+        elapsed = time_s - self._first
+        if elapsed < self._WARMUP_S:
+            return hint
+        retain = hint.retain_s * (now - self._start) / elapsed
+        return Hint(retain_s=min(max(retain, 1e-3), MAX_RETAIN_S), priority=hint.priority)
+
+
 async def _hold(
     engine: TieringEngine,
     seconds: float,
@@ -294,6 +353,16 @@ async def replay(
     )
     pages = _Pages(kv)
     request_seeds = _Pages.seeds(request_keys)
+    hints = workload_hints(
+        requests,
+        options.hints,
+        error=options.hint_error,
+        seed=options.hint_seed,
+        block_tokens=options.block_tokens,
+        workload=options.workload,
+    )
+    times_s = [r.timestamp / 1000.0 for r in requests]
+    retention = _Retention(times_s)
     tally = Tally()
     order = iter(range(len(request_keys)))
 
@@ -302,6 +371,7 @@ async def replay(
         region = np.arange(first, first + max_blocks, dtype=np.int64)
         for index in order:
             keys, seeds = request_keys[index], request_seeds[index]
+            hint = None if hints is None else retention.scaled(hints[index], times_s[index])
             blocks = region[: len(keys)]
             hits = engine.lookup(keys).ready
             below: dict[str, int] = {}
@@ -332,9 +402,9 @@ async def replay(
                     # In the load's turn, as a server prepares one step: the hits
                     # stay pinned while this store evicts (a load that completed
                     # in between would leave them evictable, unlike `simulate`).
-                    store = engine.submit_store_nowait(keys[hits:], gpu)
+                    store = engine.submit_store_nowait(keys[hits:], gpu, hint=hint)
                 except anyio.WouldBlock:
-                    store = await engine.submit_store(keys[hits:], gpu)
+                    store = await engine.submit_store(keys[hits:], gpu, hint=hint)
             if load is not None:
                 result = await load
                 tally.add(result, load=True)
@@ -343,7 +413,7 @@ async def replay(
             await engine.flush(blocks)  # the store has read the blocks: it is done
             if store is not None:
                 tally.add(await store, load=False)
-            engine.touch(keys)
+            engine.touch(keys, hint=hint)
             tally.done += 1
             if progress is not None:
                 progress(tally.done, len(request_keys), tally.hit_blocks, tally.blocks)
@@ -365,6 +435,7 @@ async def replay(
                 tg.start_soon(serve, worker)
         seconds = time.perf_counter() - start
         stats = engine.manager.statistics()
+        hint_stats = engine.manager.hints.statistics()
         if options.hold:
             await _hold(engine, options.hold, on_hold)
     final = engine.statistics()  # after close: the last batch and writes are counted
@@ -373,6 +444,7 @@ async def replay(
         stats,
         final,
         opened,
+        hint_stats,
         requests=len(request_keys),
         seconds=seconds,
         capacity_chunks=engine.manager.capacity,

@@ -19,6 +19,7 @@ from tiering.secondary.refusals import Unwritten
 if TYPE_CHECKING:
     from tiering.cpu.manager import ManagerStatistics
     from tiering.engine import EngineStatistics, SecondaryTierStatistics
+    from tiering.policies.hints import HintStatistics
     from tiering.replay import ReplayOptions
     from tiering.secondary.disk import ScanResult
 
@@ -91,6 +92,12 @@ class ReplayResult(msgspec.Struct, frozen=True, kw_only=True):
     policy: str
     backend: str
     concurrency: int
+    #: The requests' retention hints (``none``, ``continuation``), the share given wrong,
+    #: the CPU tier's keys they reached and the released ones it evicted first.
+    hints: str = "none"
+    hint_error: float = 0.0
+    hinted_keys: int = 0
+    released_evicted: int = 0
 
 
 class Tally:
@@ -126,6 +133,7 @@ class Tally:
         stats: ManagerStatistics,
         final: EngineStatistics,
         opened: Mapping[str, ScanResult],
+        hints: HintStatistics,
         *,
         requests: int,
         seconds: float,
@@ -135,7 +143,7 @@ class Tally:
     ) -> ReplayResult:
         """The replay's result: these counts, the manager's ``stats`` at the end of the
         requests, the engine's ``final`` ones after close, what the disk tiers found at
-        open (``opened``, by label)."""
+        open (``opened``, by label), what the CPU tier's ``hints`` did."""
         events = final.events
         reports = [_tier_report(t, self.hit_blocks_by_tier, opened) for t in final.tiers]
         remote = next((r for r in reports if r.label == "remote"), None)
@@ -180,6 +188,10 @@ class Tally:
             policy=options.policy,
             backend=backend,
             concurrency=options.concurrency,
+            hints=options.hints,
+            hint_error=options.hint_error,
+            hinted_keys=hints.hinted_keys_total,
+            released_evicted=hints.released_evicted_total,
         )
 
 

@@ -13,17 +13,20 @@ import inspect
 import math
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
 from tiering.workload import WORKLOADS, Request, check_trace, load_workload, read_trace
+from tiering.workload.hints import CONTINUATION_RETAIN_S, HintSource
 from tiering.workload.synthetic import MAX_REQUESTS
 
 __all__ = [
     "EXIT_USAGE",
     "UsageError",
+    "add_hint_args",
     "add_workload_args",
+    "check_hint_args",
     "default_requests",
     "fail",
     "int_list",
@@ -61,26 +64,44 @@ def positive_int(text: str) -> int:
     return value
 
 
-def port(text: str) -> int:
+def _integer(text: str, ok: Callable[[int], bool], expected: str) -> int:
+    """``text`` as an integer that is ``ok``, else the flag's error: expected what."""
     try:
         value = int(text)
     except ValueError:
         value = -1
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(
-            f"expected a port from 0 to 65535 (0 for any free port), got {text!r}"
-        )
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
     return value
 
 
-def seconds(text: str) -> float:
+def _real(text: str, ok: Callable[[float], bool], expected: str) -> float:
+    """``text`` as a number that is ``ok`` (never nan), else the flag's error."""
     try:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
+    if math.isnan(value) or not ok(value):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
     return value
+
+
+def port(text: str) -> int:
+    return _integer(text, lambda v: 0 <= v <= 65535, "a port from 0 to 65535 (0 for any free port)")
+
+
+def seconds(text: str) -> float:
+    return _real(text, lambda v: math.isfinite(v) and v >= 0, "a number of seconds >= 0")
+
+
+def fraction(text: str) -> float:
+    return _real(
+        text, lambda v: 0.0 <= v <= 1.0, "a fraction from 0 to 1 (0.2: one request in five)"
+    )
+
+
+def seed(text: str) -> int:
+    return _integer(text, lambda v: v >= 0, "a seed, an integer >= 0")
 
 
 def int_list(text: str) -> list[int]:
@@ -115,6 +136,46 @@ def name_list(choices: Sequence[str]) -> argparse._ActionType:
         return names
 
     return parse
+
+
+def add_hint_args(parser: argparse.ArgumentParser) -> None:
+    """``--hints``, ``--hint-error``, ``--hint-seed``: retention hints derived from the
+    workload (`tiering.workload.hints`)."""
+    parser.add_argument(
+        "--hints",
+        choices=[source.value for source in HintSource],
+        default=HintSource.NONE.value,
+        help="retention hints per request: none (the default), or continuation: retain "
+        f"{CONTINUATION_RETAIN_S:g} s when a later request begins with the request's complete "
+        "blocks (documents: half of them), else release",
+    )
+    parser.add_argument(
+        "--hint-error",
+        type=fraction,
+        metavar="P",
+        help="give the wrong hint (retain for release and back) to a share P of the "
+        "requests, drawn with --hint-seed (needs --hints continuation; default 0)",
+    )
+    parser.add_argument(
+        "--hint-seed",
+        type=seed,
+        metavar="S",
+        help="the seed of the requests --hint-error spoils (default 0; the requests "
+        "spoiled at a rate are among those spoiled at any higher rate)",
+    )
+
+
+def check_hint_args(args: argparse.Namespace) -> tuple[str, float, int]:
+    """The hints asked for: their source, error and seed; `UsageError` for an error or
+    a seed without hints to spoil."""
+    if args.hints == HintSource.NONE.value:
+        for flag, value in (("--hint-error", args.hint_error), ("--hint-seed", args.hint_seed)):
+            if value is not None:
+                raise UsageError(
+                    f"{flag} {value:g} spoils retention hints, and none were asked for: add "
+                    f"--hints {HintSource.CONTINUATION.value}, or drop {flag}"
+                )
+    return args.hints, args.hint_error or 0.0, args.hint_seed or 0
 
 
 def default_requests(workload: str) -> int:

@@ -14,7 +14,9 @@ import msgspec
 from tiering._extras import require
 from tiering.cli.arguments import (
     UsageError,
+    add_hint_args,
     add_workload_args,
+    check_hint_args,
     load_requests,
     port,
     positive_int,
@@ -156,6 +158,7 @@ def add_parser(sub: argparse._SubParsersAction[Any]) -> None:
         "written with a MAC under it and only values with a valid one are loaded (a regular "
         "file of 16 to 4,096 bytes; else the variable TIERING_AUTH_KEY, if set)",
     )  # fmt: skip
+    add_hint_args(rep)
     rep.add_argument("--json", action="store_true", help="print one JSON object")
     rep.set_defaults(run=_run)
 
@@ -213,6 +216,7 @@ def _run(args: argparse.Namespace) -> None:
     from tiering.replay import ReplayOptions, run_replay  # torch, anyio: if used
 
     _check_replay_flags(args)
+    hints, hint_error, hint_seed = check_hint_args(args)
     requests = load_requests(args)
     size = {"cpu_bytes": args.cpu_bytes} if args.cpu_bytes else {}
     if args.capacity_tokens:  # else ReplayOptions' default capacity, unless bytes are given
@@ -224,6 +228,10 @@ def _run(args: argparse.Namespace) -> None:
         disk_fsync=args.disk_fsync or "none",
         remote_namespace=args.remote_namespace or "",
         auth_key=_auth_key(args),
+        hints=hints,
+        hint_error=hint_error,
+        hint_seed=hint_seed,
+        workload=args.workload,
     )
     url = options.remote_url()  # an unset variable or a bad password file: now, not after a load
     if args.remote is not None and url is not None:

@@ -11,7 +11,9 @@ import msgspec
 
 from tiering.cli.arguments import (
     UsageError,
+    add_hint_args,
     add_workload_args,
+    check_hint_args,
     int_list,
     load_requests,
     name_list,
@@ -34,6 +36,7 @@ from tiering.sim import (
     simulate_keys,
 )
 from tiering.workload import CAPACITY_TOKENS
+from tiering.workload.hints import workload_hints
 
 __all__ = ["add_parser"]
 
@@ -93,12 +96,14 @@ def add_parser(sub: argparse._SubParsersAction[Any]) -> None:
         metavar="N",
         help="tokens per hash id (and per chunk), default 512",
     )
+    add_hint_args(sim)
     sim.add_argument("--json", action="store_true", help="one JSON object per line")
     sim.set_defaults(run=_run)
 
 
 def _run(args: argparse.Namespace) -> None:
     plot_format = None if args.plot is None else check_plotting(args.plot)  # before a long run
+    source, hint_error, hint_seed = check_hint_args(args)
     requests = load_requests(args)
     capacities = args.capacity_tokens or (
         _TRACE_CAPACITY_TOKENS if args.trace is not None else CAPACITY_TOKENS[args.workload]
@@ -115,6 +120,15 @@ def _run(args: argparse.Namespace) -> None:
         for disk in args.disk_tokens:
             capacity_chunks(disk, args.block_tokens, tier="disk")
     request_keys = requests_to_keys(requests)
+    hints = workload_hints(
+        requests,
+        source,
+        error=hint_error,
+        seed=hint_seed,
+        block_tokens=args.block_tokens,
+        workload=args.workload,
+    )
+    times_s = None if hints is None else [r.timestamp / 1000.0 for r in requests]
     runs = [(p, c, d) for p in policies for c in capacities for d in disks]
     if plot_format is not None and OPTIMAL not in policies and args.disk_tokens is None:
         runs += [(OPTIMAL, capacity, None) for capacity in capacities]  # the plot shows it
@@ -133,6 +147,9 @@ def _run(args: argparse.Namespace) -> None:
             block_tokens=args.block_tokens,
             progress=progress,
             disk_tokens=disk,
+            hints=hints,
+            times_s=times_s,
+            labels=(source, hint_error),
         )
         if args.json and policy in policies:
             sys.stdout.buffer.write(encoder.encode(result) + b"\n")

@@ -23,6 +23,7 @@ def simulation_table(
     results: Sequence[SimulationResult], args: argparse.Namespace, requests: Sequence[Request]
 ) -> str:
     disk = args.disk_tokens is not None
+    hinted = args.hints != "none"
     header = ["policy", "capacity tokens", "chunks", "hit rate", "hit blocks", "evictions",
               "store failures", "keys/s"]  # fmt: skip
     if disk:  # the hit rate by tier, after the disk's capacity
@@ -35,7 +36,11 @@ def simulation_table(
         if disk:
             cpu, on_disk = (r.hit_blocks_by_tier.get(t, 0) / (r.blocks or 1) for t in _TIERS)
             row[3:4] = [f"{r.disk_tokens or 0:,}", row[3], f"{cpu:.2%}", f"{on_disk:.2%}"]
+        if hinted:
+            row.insert(1, _hints_cell(r))
         rows.append(row)
+    if hinted:
+        header.insert(1, "hints")
     widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
     lines = [
         "  ".join(
@@ -48,6 +53,8 @@ def simulation_table(
     scope = (
         f"{scope_of(args, requests)}, {results[0].blocks:,} blocks of {args.block_tokens} tokens"
     )
+    if hinted:
+        lines.append(_hints_note(args))
     if not disk:
         lines.append(
             f"{scope}, one request at a time (as `tiering replay --concurrency 1`, which hits "
@@ -74,6 +81,26 @@ def simulation_table(
     return "\n".join(lines)
 
 
+def _hints_cell(r: SimulationResult) -> str:
+    """A row's hints: ``continuation``, ``continuation, 20% wrong``, or ``none``."""
+    if r.hints == "none":
+        return "none (ignored)" if r.policy == "optimal" else "none"
+    return r.hints if not r.hint_error else f"{r.hints}, {r.hint_error:.0%} wrong"
+
+
+def _hints_note(args: argparse.Namespace) -> str:
+    """What the hints column means, in one line."""
+    from tiering.workload.hints import CONTINUATION_RETAIN_S
+
+    seed = args.hint_seed or 0
+    return (
+        f"hints: each request retains its chunks {CONTINUATION_RETAIN_S:g} s when a later "
+        "request begins with its complete blocks (documents: half of them), else releases "
+        f"them; wrong: that share of the requests given the other hint (seed {seed}); the "
+        "offline optimum ignores hints, the clock is the workload's"
+    )
+
+
 def replay_table(
     r: ReplayResult, args: argparse.Namespace, requests: Sequence[Request], key: AuthKey | None
 ) -> str:
@@ -90,6 +117,7 @@ def replay_table(
         ("loaded", f"{r.loaded_chunks:,} chunks, {format_bytes(r.load_bytes)} at "
                    f"{r.load_gbps:.2f} GB/s"),
         ("evictions", f"{r.evictions:,}"),
+        ("hints", _replay_hints(r)),
         ("job latency", f"p50 {r.job_latency_p50_ms:.2f} ms, p99 {r.job_latency_p99_ms:.2f} ms"),
         ("failed jobs", f"{r.failed_jobs:,} (and {r.no_room_stores:,} stores found no room)"),
         ("corrupt chunks", f"{r.corrupt_chunks:,}" if args.verify else "not checked (--verify)"),
@@ -110,6 +138,17 @@ def replay_table(
         "1 GB = 10^9 bytes"
     )
     return "\n".join(lines)
+
+
+def _replay_hints(r: ReplayResult) -> str:
+    """The replay's hints: none, or where they came from and what they did."""
+    if r.hints == "none":
+        return "none (--hints)"
+    wrong = f", {r.hint_error:.0%} wrong" if r.hint_error else ""
+    return (
+        f"{r.hints}{wrong}: {r.hinted_keys:,} chunk hints taken, {r.released_evicted:,} "
+        "released chunks evicted first (TTLs scaled to the replay's pace)"
+    )
 
 
 def _by_tier(r: ReplayResult) -> str:

@@ -18,6 +18,10 @@ Each request:
    store of more chunks than the write-through may pin in the CPU tier at once
    (half of it, `tiering.cpu.flows.default_pin_bound`) is not written: the engine drops it.
 
+A request's retention hint reaches both tiers: the CPU tier's touch, and the
+disk tier's index through its own manager (a read's touch, a rewrite's touch,
+and the new chunks written through, which join it hinted).
+
 Where it differs from the engine: here each write-through lands before the
 next request. The engine writes through in the background and does not wait:
 the next request can miss a chunk still being written, and stores that find
@@ -36,6 +40,7 @@ from collections.abc import Sequence
 from tiering._types import OffloadKey
 from tiering.cpu.flows import default_pin_bound
 from tiering.cpu.manager import CPUOffloadingManager
+from tiering.hints import Hint
 from tiering.sim.one_tier import OneTier
 
 __all__ = ["Chain"]
@@ -61,16 +66,16 @@ class Chain(OneTier):
         self._max_pinned = default_pin_bound(cpu.capacity)  # the engine's default bound
         self._disk_hit_blocks = self._writes_failed = self._writes_dropped = 0
 
-    def __call__(self, keys: Sequence[OffloadKey]) -> int:
-        hits = self._promote(keys)
-        stored = self._request(keys, hits)
+    def __call__(self, keys: Sequence[OffloadKey], hint: Hint | None = None) -> int:
+        hits = self._promote(keys, hint)
+        stored = self._request(keys, hits, hint)
         if len(stored) > self._max_pinned:  # the engine would pin too much of the CPU tier
             self._writes_dropped += len(stored)
         elif stored:
-            self._write_through(stored)
+            self._write_through(stored, hint)
         return hits
 
-    def _promote(self, keys: Sequence[OffloadKey]) -> int:
+    def _promote(self, keys: Sequence[OffloadKey], hint: Hint | None) -> int:
         """The request's hits, after reading the disk's leading run into the CPU tier
         (as `TierChain.promote` and `_read` do)."""
         cpu, disk = self._manager, self._disk
@@ -92,7 +97,7 @@ class Chain(OneTier):
             return hits
         read = output.keys_to_store
         cpu.complete_store(read)
-        disk.touch(read)  # a read is a use of the disk's chunk
+        disk.touch(read, hint)  # a read is a use of the disk's chunk
         ready = 0
         for key in keys[hits:]:  # the engine counts on past the run, as here
             if not holds(key, ready=True):
@@ -101,7 +106,7 @@ class Chain(OneTier):
         self._disk_hit_blocks += min(len(read), ready)
         return hits + ready
 
-    def _write_through(self, stored: tuple[OffloadKey, ...]) -> None:
+    def _write_through(self, stored: tuple[OffloadKey, ...], hint: Hint | None) -> None:
         """Write the landed store to the disk tier, as `DiskTier.write` does."""
         disk = self._disk
         batch = stored
@@ -116,9 +121,10 @@ class Chain(OneTier):
         new = written.keys_to_store
         if new:
             disk.complete_store(new)  # new chunks join the disk's policy, not touched
+            disk.hint(new, hint)  # but hinted as the request is
         if len(new) < len(batch):  # a rewrite of a chunk the disk held is a use of it
             fresh = set(new)
-            disk.touch([key for key in batch if key not in fresh])
+            disk.touch([key for key in batch if key not in fresh], hint)
 
     def counts(self) -> dict[str, int]:
         return {

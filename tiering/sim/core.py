@@ -3,6 +3,12 @@
 `simulate_keys` runs one policy at one capacity: the CPU tier alone
 (`tiering.sim.one_tier`), with a disk tier below it (`tiering.sim.chain`), or
 the offline optimum (`tiering.sim.optimal`). `simulate` does it from requests.
+
+With retention hints (one per request, `tiering.hints.Hint`), each request
+touches the tiers with its own, and the managers' clock is the workload's:
+the arrival of the request being served (``times_s``), so a hint's
+``retain_s`` counts trace seconds. Without hints (``hints=None``) a run is
+exactly the run without them, hit for hit. The offline optimum ignores hints.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from tiering._types import OffloadKey
 from tiering.config import DEFAULT_POLICY
 from tiering.cpu.manager import CPUOffloadingManager
 from tiering.errors import CapacityError, ConfigError
+from tiering.hints import Hint
 from tiering.policies import POLICY_NAMES, create_policy
 from tiering.sim.chain import Chain
 from tiering.sim.one_tier import OneTier
@@ -23,6 +30,7 @@ from tiering.sim.result import (
     HasHashIds,
     Progress,
     SimulationResult,
+    TraceClock,
     capacity_chunks,
     requests_to_keys,
     run_simulation,
@@ -35,7 +43,11 @@ ALL_POLICIES: tuple[str, ...] = (*POLICY_NAMES, OPTIMAL)
 
 
 def _disk_manager(
-    disk_tokens: int | None, disk_policy: str | None, policy: str, block_tokens: int
+    disk_tokens: int | None,
+    disk_policy: str | None,
+    policy: str,
+    block_tokens: int,
+    clock: TraceClock,
 ) -> CPUOffloadingManager | None:
     """The disk tier's index (None without one), after checking its arguments."""
     if policy == OPTIMAL and (disk_tokens is not None or disk_policy is not None):
@@ -57,7 +69,7 @@ def _disk_manager(
         raise ConfigError(
             f"unknown disk tier policy {name!r}; choose one of {', '.join(POLICY_NAMES)}"
         )
-    return CPUOffloadingManager(num_chunks, create_policy(name, num_chunks))
+    return CPUOffloadingManager(num_chunks, create_policy(name, num_chunks), clock=clock)
 
 
 def simulate_keys(
@@ -69,6 +81,9 @@ def simulate_keys(
     progress: Progress | None = None,
     disk_tokens: int | None = None,
     disk_policy: str | None = None,
+    hints: Sequence[Hint | None] | None = None,
+    times_s: Sequence[float] | None = None,
+    labels: tuple[str, float] = ("none", 0.0),
 ) -> SimulationResult:
     """Replay requests given as chunk keys (see `requests_to_keys`) through a fresh manager.
 
@@ -77,10 +92,15 @@ def simulate_keys(
     puts a disk tier of that many tokens below the CPU tier (see
     `tiering.sim.chain`), with the policy ``disk_policy`` (default: ``policy``);
     the offline optimum models one tier only (`ConfigError`). Without it the run
-    is exactly the one-tier run.
+    is exactly the one-tier run. ``hints`` gives each request its retention hint
+    and ``times_s`` its arrival in seconds, the managers' clock (both one per
+    request; the module's docstring); ``labels`` names them in the result
+    (``hints``, ``hint_error``). The optimum ignores them (its result says
+    ``none``).
     """
+    clock = TraceClock()
     if policy == OPTIMAL:
-        _disk_manager(disk_tokens, disk_policy, policy, block_tokens)  # refuses a disk tier
+        _disk_manager(disk_tokens, disk_policy, policy, block_tokens, clock)  # refuses a disk
         return simulate_optimal(
             request_keys,
             capacity_tokens=capacity_tokens,
@@ -88,8 +108,8 @@ def simulate_keys(
             progress=progress,
         )
     num_chunks = capacity_chunks(capacity_tokens, block_tokens)
-    manager = CPUOffloadingManager(num_chunks, create_policy(policy, num_chunks))
-    disk = _disk_manager(disk_tokens, disk_policy, policy, block_tokens)
+    manager = CPUOffloadingManager(num_chunks, create_policy(policy, num_chunks), clock=clock)
+    disk = _disk_manager(disk_tokens, disk_policy, policy, block_tokens, clock)
     tiers = OneTier(manager, policy=policy, capacity_tokens=capacity_tokens)
     if disk is not None and disk_tokens is not None:
         tiers = Chain(
@@ -99,7 +119,9 @@ def simulate_keys(
             capacity_tokens=capacity_tokens,
             disk_tokens=int(disk_tokens),
         )
-    return run_simulation(request_keys, tiers, progress)
+    return run_simulation(
+        request_keys, tiers, progress, hints=hints, times_s=times_s, clock=clock, labels=labels
+    )
 
 
 def simulate(

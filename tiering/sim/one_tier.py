@@ -2,7 +2,9 @@
 
 Look up the request's chunks from the head until the first that is not ready
 (those are hits), pin the hits (a load), store the rest while the hits are
-pinned, unpin the hits, and commit the request's recency head to tail. One
+pinned, unpin the hits, and commit the request's recency head to tail with its
+retention hint, if it has one (the manager's touch: the hint applies to every
+chunk of the request the tier then holds, those just stored included). One
 chunk per hash id.
 """
 
@@ -12,6 +14,7 @@ from collections.abc import Sequence
 
 from tiering._types import OffloadKey
 from tiering.cpu.manager import CPUOffloadingManager
+from tiering.hints import Hint
 
 __all__ = ["OneTier"]
 
@@ -26,14 +29,16 @@ class OneTier:
         self._manager = manager
         self._store_failures = 0
 
-    def __call__(self, keys: Sequence[OffloadKey]) -> int:
+    def __call__(self, keys: Sequence[OffloadKey], hint: Hint | None = None) -> int:
         hits = self._manager.lookup_prefix(keys)
-        self._request(keys, hits)
+        self._request(keys, hits, hint)
         return hits
 
-    def _request(self, keys: Sequence[OffloadKey], hits: int) -> tuple[OffloadKey, ...]:
+    def _request(
+        self, keys: Sequence[OffloadKey], hits: int, hint: Hint | None
+    ) -> tuple[OffloadKey, ...]:
         """Load the ``hits`` leading keys, store the rest while they are pinned, commit
-        the recency; the keys the store wrote."""
+        the recency with ``hint``; the keys the store wrote."""
         manager = self._manager
         hit_keys = keys[:hits]
         if hits:
@@ -48,7 +53,7 @@ class OneTier:
                 manager.complete_store(stored)
         if hits:
             manager.complete_load(hit_keys)
-        manager.touch(keys)
+        manager.touch(keys, hint)
         return stored
 
     def counts(self) -> dict[str, int]:

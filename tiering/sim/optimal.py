@@ -4,7 +4,8 @@
 whose next use is furthest in the future, under the same pinning as
 `tiering.sim.simulate_keys` (a request's hits stay pinned while its missing
 chunks are stored). It models one tier only: the optimum of two tiers is not
-two optima.
+two optima. It ignores retention hints: it knows every next use, which is more
+than any hint says.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import heapq
 from collections.abc import Sequence
 
 from tiering._types import OffloadKey
+from tiering.hints import Hint
 from tiering.sim.result import (
     OPTIMAL,
     Progress,
@@ -61,8 +63,8 @@ class _Optimal:
         self._position = 0
         self._store_failures = self._evictions = 0
 
-    def __call__(self, keys: Sequence[OffloadKey]) -> int:
-        cache, heap = self._cache, self._heap
+    def __call__(self, keys: Sequence[OffloadKey], hint: Hint | None = None) -> int:
+        cache, heap = self._cache, self._heap  # the hint is ignored: the future is known
         hits = 0
         for key in keys:
             if key not in cache:

@@ -1,8 +1,10 @@
 """What a simulation reports, and the loop every simulation shares.
 
 `run_simulation` feeds each request to a `Simulation` (one step per request,
-which returns its hit blocks), reports progress now and then, and builds the
-`SimulationResult` from what the simulation counted.
+with its retention hint if the run has hints, which returns its hit blocks),
+sets the run's `TraceClock` to each request's arrival first, reports progress
+now and then, and builds the `SimulationResult` from what the simulation
+counted.
 """
 
 from __future__ import annotations
@@ -14,13 +16,15 @@ from typing import Protocol
 import msgspec
 
 from tiering._types import OffloadKey, make_offload_key
-from tiering.errors import CapacityError
+from tiering.errors import CapacityError, ConfigError
+from tiering.hints import Hint
 
 __all__ = [
     "OPTIMAL",
     "Progress",
     "Simulation",
     "SimulationResult",
+    "TraceClock",
     "capacity_chunks",
     "requests_to_keys",
     "run_simulation",
@@ -50,7 +54,10 @@ class SimulationResult(msgspec.Struct, frozen=True, kw_only=True):
     room in the disk tier (all of it offered again by the same write), and
     ``disk_writes_dropped`` those of stores too big to write through (more chunks
     than half the CPU tier, which the engine would pin for the write: see
-    `tiering.sim.chain`).
+    `tiering.sim.chain`). ``hints`` names where the requests' retention hints came
+    from (``none``: no hint, or ``continuation``: `tiering.workload.hints`), and
+    ``hint_error`` the share of them flipped; the offline optimum ignores hints
+    (its rows say ``none``).
     """
 
     policy: str
@@ -70,6 +77,8 @@ class SimulationResult(msgspec.Struct, frozen=True, kw_only=True):
     disk_writes_failed: int = 0
     disk_evictions: int = 0
     disk_writes_dropped: int = 0
+    hints: str = "none"
+    hint_error: float = 0.0
 
     @classmethod
     def of(
@@ -90,6 +99,8 @@ class SimulationResult(msgspec.Struct, frozen=True, kw_only=True):
         disk_writes_failed: int = 0,
         disk_writes_dropped: int = 0,
         disk_evictions: int = 0,
+        hints: str = "none",
+        hint_error: float = 0.0,
     ) -> SimulationResult:
         """A result, with the hit rate, the hits by tier and the speed derived from the
         counts (``disk_hit_blocks`` of ``hit_blocks`` came from the disk tier)."""
@@ -114,20 +125,37 @@ class SimulationResult(msgspec.Struct, frozen=True, kw_only=True):
             disk_writes_failed=disk_writes_failed,
             disk_evictions=disk_evictions,
             disk_writes_dropped=disk_writes_dropped,
+            hints=hints,
+            hint_error=hint_error,
         )
 
 
+class TraceClock:
+    """The time of a simulated run, in seconds: the arrival of the request being served
+    (set by `run_simulation`), for the managers' retention deadlines."""
+
+    __slots__ = ("now",)
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 class Simulation(Protocol):
-    """One run's tiers: called once per request, in order, it returns the request's
-    hit blocks; ``counts`` gives the rest of the `SimulationResult`'s counts at the end
-    (``store_failures``, ``evictions``; with a disk tier ``disk_tokens`` and the other
-    ``disk_`` fields, and ``disk_hit_blocks``, the part of the hits it gave)."""
+    """One run's tiers: called once per request, in order, with the request's
+    retention hint (None: none), it returns the request's hit blocks; ``counts``
+    gives the rest of the `SimulationResult`'s counts at the end
+    (``store_failures``, ``evictions``; with a disk tier ``disk_tokens`` and the
+    other ``disk_`` fields, and ``disk_hit_blocks``, the part of the hits it
+    gave)."""
 
     policy: str
     capacity_tokens: int
     capacity_chunks: int
 
-    def __call__(self, keys: Sequence[OffloadKey]) -> int: ...
+    def __call__(self, keys: Sequence[OffloadKey], hint: Hint | None = None) -> int: ...
 
     def counts(self) -> dict[str, int]: ...
 
@@ -136,15 +164,31 @@ def run_simulation(
     request_keys: Sequence[Sequence[OffloadKey]],
     simulation: Simulation,
     progress: Progress | None,
+    *,
+    hints: Sequence[Hint | None] | None = None,
+    times_s: Sequence[float] | None = None,
+    clock: TraceClock | None = None,
+    labels: tuple[str, float] = ("none", 0.0),
 ) -> SimulationResult:
-    """Every request through ``simulation``, one at a time; ``progress`` is called
-    every thousand requests or so, and once at the end."""
-    blocks = hit_blocks = 0
+    """Every request through ``simulation``, one at a time, each with its hint of
+    ``hints`` (one per request; None: no hint at all); before each, ``clock`` is set
+    to its arrival in ``times_s`` (seconds, one per request). ``progress`` is called
+    every thousand requests or so, and once at the end. ``labels`` is the result's
+    ``hints`` and ``hint_error``."""
     total = len(request_keys)
+    for name, given in (("hints", hints), ("times_s", times_s)):
+        if given is not None and len(given) != total:
+            raise ConfigError(
+                f"{name} must hold one entry per request ({total:,}), got {len(given):,}"
+            )
+    blocks = hit_blocks = 0
     start = time.perf_counter()
-    for done, keys in enumerate(request_keys, 1):
+    for index, keys in enumerate(request_keys):
+        if clock is not None and times_s is not None:
+            clock.now = times_s[index]
         blocks += len(keys)
-        hit_blocks += simulation(keys)
+        hit_blocks += simulation(keys, None if hints is None else hints[index])
+        done = index + 1
         if progress is not None and not done % _PROGRESS_EVERY:
             progress(done, total, hit_blocks, blocks)
     if progress is not None:
@@ -158,6 +202,8 @@ def run_simulation(
         blocks=blocks,
         hit_blocks=hit_blocks,
         seconds=seconds,
+        hints=labels[0],
+        hint_error=labels[1],
         **simulation.counts(),
     )
 
