@@ -36,7 +36,7 @@ BY_LE = "instance, engine, direction, le"  # legend prefix: which engine of whic
 
 def legend(*parts: str) -> str:
     """A legend: the engine, then ``{{label}}`` for each label name, or the text of a word."""
-    labels = ("tier", "direction", "outcome", "sink", "kind")
+    labels = ("tier", "direction", "outcome", "sink", "kind", "state")
     words = [f"{{{{{p}}}}}" if p in labels else p for p in parts]
     return " ".join([WHO, *words])
 
@@ -332,6 +332,75 @@ def tier_row() -> list[dict[str, Any]]:
     ]
 
 
+def hints_row() -> list[dict[str, Any]]:
+    """The CPU tier's retention hints: what they hold, whether the tier follows them and
+    why. No data until a client gives a hint."""
+    cpu = f'tier="cpu", {SEL}'
+    by = "instance, engine"
+    return [
+        row("Retention hints (CPU tier)"),
+        timeseries(
+            "Hinted chunks",
+            "Chunks held under a hint, by state: retained (kept until their TTL ends) "
+            "against the most that may be retained (hint_share of the tier), released "
+            "(the conversation is over: evicted first). No data until a client gives a hint.",
+            targets(
+                (f"tiering_hint_chunks{{{cpu}}}", legend("state")),
+                (f"tiering_hint_retained_chunks_limit{{{cpu}}}", legend("retained limit")),
+            ),
+            axis="chunks",
+            w=6,
+            h=7,
+        ),
+        timeseries(
+            "Hints followed",
+            "Whether the tier follows each kind of hint (1) or ignores it (0): it follows "
+            "releases while released chunks are reused well below the others, retentions "
+            "while retained ones are reused well above (see Reuse by hint). Ignored for "
+            "long: the clients' hints of that kind are wrong.",
+            targets((f"tiering_hint_followed{{{cpu}}}", legend("kind"))),
+            max_value=1,
+            w=6,
+            h=7,
+        ),
+        timeseries(
+            "Hint flows/s",
+            "Chunks per second: hinted (a hint applied to a chunk held), released chunks evicted "
+            "first, retentions dropped past the share limit (more retained than hint_share "
+            "keeps), retained chunks evicted before their TTL (nothing else could give room).",
+            targets(
+                (rate("tiering_hinted_chunks_total", by, 'tier="cpu"'), legend("hinted")),
+                (
+                    rate("tiering_hint_released_evictions_total", by, 'tier="cpu"'),
+                    legend("released evicted"),
+                ),
+                (
+                    rate("tiering_hint_retentions_dropped_total", by, 'tier="cpu"'),
+                    legend("retentions dropped"),
+                ),
+                (
+                    rate("tiering_hint_retentions_overridden_total", by, 'tier="cpu"'),
+                    legend("retained evicted"),
+                ),
+            ),
+            axis="chunks/s",
+            w=6,
+            h=7,
+        ),
+        timeseries(
+            "Reuse by hint",
+            "How often a request's chunks were used again by a later request, by the hint "
+            "it gave (release, retain, none): what decides following the hints. Right "
+            "hints: release well below none, retain well above.",
+            targets((f"tiering_hint_reuse_ratio{{{cpu}}}", legend("kind"))),
+            unit="percentunit",
+            max_value=1,
+            w=6,
+            h=7,
+        ),
+    ]
+
+
 def panels() -> list[dict[str, Any]]:
     cpu = f'tier="cpu", {SEL}'
     cpu_only = 'tier="cpu"'
@@ -401,6 +470,7 @@ def panels() -> list[dict[str, Any]]:
             targets((rate("tiering_allocation_failures_total", "instance, engine"), WHO)),
             axis="stores/s",
         ),
+        *hints_row(),
         *tier_row(),
         row("Transfers"),
         timeseries(
@@ -584,8 +654,8 @@ def dashboard() -> dict[str, Any]:
             ]
         },
         "description": "tiering: the KV-cache CPU tier of each engine: occupancy, transfers, "
-        "lookups, evictions and KV cache events; a row per tier below it (disk, remote): "
-        "hits served, flows, errors.",
+        "lookups, evictions, retention hints and KV cache events; a row per tier below it "
+        "(disk, remote): hits served, flows, errors.",
         "editable": True,
         "fiscalYearStartMonth": 0,
         "graphTooltip": 1,

@@ -24,6 +24,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from tiering.engine import TieringEngine
+from tiering.hint_metrics import HINT_FAMILIES
 from tiering.metrics import FAMILIES, UNDASHBOARDED, render_metrics
 from tiering.replay import ReplayOptions, replay_config
 
@@ -38,6 +39,9 @@ PROMETHEUS_DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 NAME = re.compile(r"\btiering_[a-z0-9_]+")
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 EVENT_FAMILIES = {"tiering_events_published_total", "tiering_events_dropped_total"}
+#: Families with no sample while what they count is off: the events' while events are
+#: off, the retention hints' until a hint was given.
+QUIET_FAMILIES = EVENT_FAMILIES | set(HINT_FAMILIES)
 
 T = TypeVar("T")
 
@@ -237,6 +241,13 @@ def test_every_name_in_dashboards_is_exported_and_every_family_is_used() -> None
     assert set(FAMILIES) >= UNDASHBOARDED
     assert not UNDASHBOARDED & used, "listed as undashboarded, but used"
     assert set(FAMILIES) - UNDASHBOARDED - used == set(), "in no panel and no rule"
+
+
+def test_the_readme_lists_every_family_and_every_alert() -> None:
+    readme = (DASHBOARDS / "README.md").read_text()
+    assert set(re.findall(r"^\| `(tiering_[a-z0-9_]+)` \|", readme, re.M)) == set(FAMILIES)
+    alerts = set(re.findall(r"- alert: (\w+)", ALERTS.read_text()))
+    assert set(re.findall(r"^\| `(Tiering\w+)` \|", readme, re.M)) == alerts
 
 
 # -- the rules, with promtool ------------------------------------------------------
@@ -472,6 +483,11 @@ def event_queries_only(untested: set[str]) -> bool:
     return all(families_in(expr) <= EVENT_FAMILIES for expr in untested)
 
 
+def quiet_queries_only(untested: set[str]) -> bool:
+    """Only queries of events (off) and of retention hints (none given) had no data."""
+    return all(families_in(expr) <= QUIET_FAMILIES for expr in untested)
+
+
 def wait_until_scraped(running: Servers, base: str) -> None:
     def target_up() -> bool:
         active = api(base, "/api/v1/targets")["activeTargets"]
@@ -486,13 +502,14 @@ def test_every_query_runs_against_a_real_prometheus(tmp_path: Path) -> None:
     target = f"127.0.0.1:{metrics_port}"
     replay_args = ["--workload", "chat", "--requests", "1000", "--bytes-per-token", "16",
                    "--capacity-tokens", str(100 * 512), "--metrics-port", str(metrics_port),
-                   "--hold", "300", "--json"]  # fmt: skip
+                   "--hold", "300", "--hints", "continuation", "--json"]  # fmt: skip
     with servers(tmp_path) as running:
         running.start("replay", [sys.executable, "-m", "tiering", "replay", *replay_args])
         base = running.start_prometheus(target)
         wait_until_scraped(running, base)
         # The replay's engine, labelled with its engine id ("replay"), no tier below its
-        # CPU tier (the tier row is checked against two in tests/test_dashboards_tiers.py).
+        # CPU tier (the tier row is checked against two in tests/test_dashboards_tiers.py),
+        # its requests hinted (so every query of the hints' row has data to read).
         untested = check_every_query_and_rule(running, base, target, engine="replay", tiers=[])
         assert event_queries_only({e for e in untested if "$tier" not in e}), untested
         capacity = api(base, "/api/v1/query", query=(

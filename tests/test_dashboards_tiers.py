@@ -19,9 +19,9 @@ from .secondary import conftest as secondary
 from .secondary.conftest import RedisServer
 from .test_dashboards import (
     check_every_query_and_rule,
-    event_queries_only,
     families_in,
     free_port,
+    quiet_queries_only,
     servers,
     wait_until_scraped,
 )
@@ -45,7 +45,7 @@ def test_every_tier_rows_query_runs_against_a_real_prometheus(tmp_path: Path) ->
         untested = check_every_query_and_rule(
             running, base, target, engine="chain", tiers=["disk", "remote"]
         )
-        assert event_queries_only(untested), untested  # every other query had data
+        assert quiet_queries_only(untested), untested  # every other query had data
 
 
 @pytest.mark.anyio
@@ -69,7 +69,7 @@ async def test_a_real_engines_tier_rows_run_against_a_real_prometheus(
                 )
                 # Without a disk tier, nothing says what it holds: those panels are empty.
                 held = HELD if "disk" not in labels else set()
-                assert all(event_queries_only({e}) or families_in(e) <= held for e in untested)
+                assert all(quiet_queries_only({e}) or families_in(e) <= held for e in untested)
 
         async def traffic() -> None:
             for round_ in range(1, 10_000):
@@ -100,4 +100,4 @@ def test_a_real_replay_over_disk_then_redis_fills_every_tier_row(
         untested = check_every_query_and_rule(
             running, base, target, engine="replay", tiers=["disk", "remote"]
         )
-        assert event_queries_only(untested), untested  # the disk tier says what it holds
+        assert quiet_queries_only(untested), untested  # the disk tier says what it holds

@@ -29,6 +29,8 @@ Design note: a pull collector, one registry per engine.
   families as the CPU tier where they mean the same thing, under its own
   ``tier`` label (``disk``, ``remote``): its flows, its lookups, and what it
   holds where it says (a disk tier does, Redis does not: no sample then).
+- The CPU tier's retention hints (`tiering.hint_metrics`): what its hints hold
+  and did, with no sample until a hint was given.
 
 Names follow the Prometheus conventions: ``tiering_`` prefix, base units
 (bytes, seconds), ``_total`` counters, ``_ratio`` fractions. Every series has an
@@ -71,6 +73,7 @@ from tiering._state import Lifecycle
 from tiering.cpu.common import CPUOffloadingInfo
 from tiering.cpu.manager import ManagerStatistics
 from tiering.errors import ConfigError
+from tiering.hint_metrics import HINT_FAMILIES, HintFamilies
 from tiering.scheduler import LATENCY_BUCKETS, DirectionStatistics, SchedulerStatistics
 
 __all__ = [
@@ -108,6 +111,7 @@ FAMILIES: tuple[str, ...] = (
     "tiering_events_dropped_total",
     "tiering_tier_up",
     "tiering_tier_errors_total",
+    *HINT_FAMILIES,
 )
 
 #: Families that no dashboard panel or alert rule uses, on purpose (none yet).
@@ -342,6 +346,7 @@ class _Families:
             "and found gone: deleted behind its back).",
             (*tier, "kind"),
         )
+        self.hints = HintFamilies()
 
     def all(self) -> list[Metric]:
         return [
@@ -365,6 +370,7 @@ class _Families:
             self.dropped,
             self.up,
             self.errors,
+            *self.hints.all(),
         ]
 
     def add_info(self, info: dict[str, str], tier_bytes: int | None) -> None:
@@ -386,6 +392,7 @@ class _Families:
         self.lookups.add_metric([*tier, "pending"], m.lookups_pending_total)
         self.evictions.add_metric(tier, m.evictions_total)
         self.alloc_failures.add_metric(tier, m.allocation_failures_total)
+        self.hints.add(tier, m.hints)
 
     def add_direction(self, name: str, d: DirectionStatistics) -> None:
         labels = [self.engine_id, TIER, name]
