@@ -293,6 +293,7 @@ def test_retained_keys_are_kept_until_their_deadline_within_the_share() -> None:
     assert set(store(40, 41)) == {k(0), k(1)}
     assert set(store(42, 43)) == {k(6), k(7)}  # 30 and 31 still kept
     clock.now = 100.0  # their deadline passed: LRU's order again
+    assert manager.hints.statistics().retained == 0  # none protected now
     assert store(50, 51, 52, 53, 54, 55) == tuple(k(i) for i in (8, 9, 21, 20, 31, 30))
 
 

@@ -74,7 +74,8 @@ _RELEASED, _RETAINED, _PLAIN = 0, 1, 2  # the kinds of keys _Accuracy tells apar
 
 
 class HintStatistics(msgspec.Struct, frozen=True, kw_only=True):
-    """A snapshot of what the hints hold and did (``*_total`` count since the start)."""
+    """A snapshot of what the hints hold and did (``*_total`` count since the start).
+    ``retained`` counts the chunks protected now (their deadline ahead)."""
 
     retained: int
     retained_limit: int
@@ -82,6 +83,9 @@ class HintStatistics(msgspec.Struct, frozen=True, kw_only=True):
     following_releases: bool
     following_retentions: bool
     hinted_keys_total: int
+    #: Of ``hinted_keys_total``: chunks named by a release, and by a retention.
+    released_keys_total: int
+    retained_keys_total: int
     released_evicted_total: int
     retention_overflow_total: int
     retention_overridden_total: int
@@ -132,6 +136,10 @@ class _Buckets:
             del self.where[key]
             return key
         raise KeyError("no key")  # pragma: no cover - callers check len first
+
+    def live(self, now: float) -> int:
+        """Keys whose value (a deadline) is after ``now``."""
+        return sum(1 for bucket in self.by_priority.values() for v in bucket.values() if v > now)
 
     def __len__(self) -> int:
         return len(self.where)
@@ -226,8 +234,10 @@ class _Accuracy:
         stamped, used = self.stamped, self.used
         mine = stamped[kind]
         others = sum(stamped) - mine
-        rate = used[kind] / mine if mine else 0.0
-        other_rate = (sum(used) - used[kind]) / others if others else 0.0
+        # A stamp waiting for its reuse keeps its weight when the counts halve: a rate
+        # may pass 1 by a little, which means 1.
+        rate = min(1.0, used[kind] / mine) if mine else 0.0
+        other_rate = min(1.0, (sum(used) - used[kind]) / others) if others else 0.0
         return mine, others, rate, other_rate
 
     def clear(self) -> None:
@@ -283,6 +293,7 @@ class HintBook:
         self.engaged = False
         self._hinted_keys = self._released_evicted = self._overflow = self._overridden = 0
         self._switches = 0
+        self._hinted_released = self._hinted_retained = 0
 
     @property
     def following(self) -> bool:
@@ -347,12 +358,16 @@ class HintBook:
         mine = [key for key in keys if key in held]
         self._hinted_keys += len(mine)
         if hint.release:
+            self._hinted_released += len(mine)
             retained = self._retained
             mine = mine[self._shared_head(mine) :]
             for key in mine:
                 retained.pop(key)
                 released.put(key, 0.0, hint.priority)
-        elif hint.retain_s is not None and self._limit:
+        elif hint.retain_s is not None:
+            self._hinted_retained += len(mine)
+            if not self._limit:
+                return
             deadline = self._clock() + hint.retain_s
             retained = self._retained
             for key in reversed(mine):  # the head retained last: the last to lose it
@@ -460,12 +475,14 @@ class HintBook:
         retained_rate = accuracy.rates(_RETAINED)[2]
         plain_rate = accuracy.rates(_PLAIN)[2]
         return HintStatistics(
-            retained=len(self._retained),
+            retained=self._retained.live(self._clock()),
             retained_limit=self._limit,
             released=len(self._released),
             following_releases=self._follow[0],
             following_retentions=self._follow[1],
             hinted_keys_total=self._hinted_keys,
+            released_keys_total=self._hinted_released,
+            retained_keys_total=self._hinted_retained,
             released_evicted_total=self._released_evicted,
             retention_overflow_total=self._overflow,
             retention_overridden_total=self._overridden,
