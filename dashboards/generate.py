@@ -341,9 +341,10 @@ def hints_row() -> list[dict[str, Any]]:
         row("Retention hints (CPU tier)"),
         timeseries(
             "Hinted chunks",
-            "Chunks held under a hint, by state: retained (kept until their TTL ends) "
-            "against the most that may be retained (hint_share of the tier), released "
-            "(the conversation is over: evicted first). No data until a client gives a hint.",
+            "Chunks held under a hint, by state: retained (kept until their TTL ends; one "
+            "whose TTL ended counts until it leaves or makes room) against the most that "
+            "may be retained (hint_share of the tier), released (the conversation is over: "
+            "evicted first). No data until a client gives a hint.",
             targets(
                 (f"tiering_hint_chunks{{{cpu}}}", legend("state")),
                 (f"tiering_hint_retained_chunks_limit{{{cpu}}}", legend("retained limit")),
@@ -365,11 +366,15 @@ def hints_row() -> list[dict[str, Any]]:
         ),
         timeseries(
             "Hint flows/s",
-            "Chunks per second: hinted (a hint applied to a chunk held), released chunks evicted "
-            "first, retentions dropped past the share limit (more retained than hint_share "
-            "keeps), retained chunks evicted before their TTL (nothing else could give room).",
+            "Chunks per second: hinted, by the hint's kind (release, retain; a hint naming "
+            "a chunk held, once per hint), released chunks evicted first, retentions "
+            "dropped past the share limit (more retained than hint_share keeps), retained "
+            "chunks evicted before their TTL (nothing else could give room).",
             targets(
-                (rate("tiering_hinted_chunks_total", by, 'tier="cpu"'), legend("hinted")),
+                (
+                    rate("tiering_hinted_chunks_total", f"{by}, kind", 'tier="cpu"'),
+                    legend("hinted", "kind"),
+                ),
                 (
                     rate("tiering_hint_released_evictions_total", by, 'tier="cpu"'),
                     legend("released evicted"),

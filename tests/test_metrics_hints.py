@@ -66,7 +66,8 @@ async def test_an_engine_given_hints_shows_what_they_hold_and_did(anyio_backend:
     assert value(series, "tiering_hint_retained_chunks_limit", **CPU) == 2  # 0.2 of 10
     assert value(series, "tiering_hint_followed", kind="release", **CPU) == 1
     assert value(series, "tiering_hint_followed", kind="retain", **CPU) == 1
-    assert value(series, "tiering_hinted_chunks_total", **CPU) == 5
+    assert value(series, "tiering_hinted_chunks_total", kind="retain", **CPU) == 3
+    assert value(series, "tiering_hinted_chunks_total", kind="release", **CPU) == 2
     assert value(series, "tiering_hint_released_evictions_total", **CPU) == 1
     assert value(series, "tiering_hint_retentions_dropped_total", **CPU) == 1
     assert value(series, "tiering_hint_retentions_overridden_total", **CPU) == 0
@@ -75,8 +76,10 @@ async def test_an_engine_given_hints_shows_what_they_hold_and_did(anyio_backend:
     assert value(series, "tiering_hint_reuse_ratio", kind="retain", **CPU) == 1.0
     assert value(series, "tiering_hint_reuse_ratio", kind="release", **CPU) == 0.0
     assert value(series, "tiering_hint_reuse_ratio", kind="none", **CPU) == 0.0
-    assert len(series) == 12  # two states, two kinds followed, three reuse kinds, five more
+    # Two states, two kinds followed and hinted, three reuse kinds, four more.
+    assert len(series) == 13
     assert (stats.retained, stats.released, stats.released_evicted_total) == (2, 1, 1)
+    assert stats.released_keys_total + stats.retained_keys_total == stats.hinted_keys_total
 
 
 @pytest.mark.anyio
@@ -96,5 +99,41 @@ async def test_the_kinds_are_told_apart_when_one_is_ignored(anyio_backend: str) 
     assert value(series, "tiering_hint_reuse_ratio", kind="none", **CPU) == 0.0
     assert value(series, "tiering_hint_reuse_ratio", kind="retain", **CPU) == 0.0
     # Hints of keys the tier does not hold apply to nothing.
-    assert value(series, "tiering_hinted_chunks_total", **CPU) == 0
+    assert value(series, "tiering_hinted_chunks_total", kind="release", **CPU) == 0
+    assert value(series, "tiering_hinted_chunks_total", kind="retain", **CPU) == 0
     assert value(series, "tiering_hint_chunks", state="released", **CPU) == 0
+
+
+@pytest.mark.anyio
+async def test_a_reset_hides_the_hint_series_and_their_counters_never_go_back(
+    anyio_backend: str,
+) -> None:
+    """A reset of the tier forgets its hints (no sample until the next one, as before the
+    first); the counters keep their totals through it, as the tier's other counters do,
+    so a rate over the reset is never a counter reset."""
+    engine = make_engine(10, backend="mock", engine_id="hinted")
+    async with engine:
+        with anyio.fail_after(10):
+            stored = await engine.submit_store(keys(1, 2, 3), spec(0, 1, 2))
+            assert (await stored).success
+        manager = engine.manager
+        manager.touch(keys(1, 2, 3), Hint(release=True))
+        before = hint_samples(render_metrics(engine))
+        assert value(before, "tiering_hinted_chunks_total", kind="release", **CPU) == 3
+        assert value(before, "tiering_hinted_chunks_total", kind="retain", **CPU) == 0
+
+        manager.reset()
+        assert hint_samples(render_metrics(engine)) == {}
+
+        with anyio.fail_after(10):
+            stored = await engine.submit_store(keys(4, 5), spec(0, 1))
+            assert (await stored).success
+        manager.touch(keys(4, 5), Hint(retain_s=600))
+        after = hint_samples(render_metrics(engine))
+    assert value(after, "tiering_hinted_chunks_total", kind="release", **CPU) == 3
+    assert value(after, "tiering_hinted_chunks_total", kind="retain", **CPU) == 2
+    assert value(after, "tiering_hint_chunks", state="released", **CPU) == 0
+    assert value(after, "tiering_hint_chunks", state="retained", **CPU) == 2
+    for name in HINT_FAMILIES:
+        if name.endswith("_total"):
+            assert all(v <= after[key] for key, v in before.items() if key[0] == name), name

@@ -9,7 +9,10 @@ families have no sample then, as the event families while events are off:
 their names are always exported (dashboards and rules see the same names), but
 a zero would say what is not so (that hints were dropped, or reused never),
 and a rule on ``tiering_hint_followed == 0`` must stay quiet where nobody
-gives hints. From the first hint on, every sample is there.
+gives hints. From the first hint on, every sample is there, until a reset of
+the tier forgets its hints (`CPUOffloadingManager.reset`): none then until the
+next hint, when the counters go on from their totals (kept through a reset, as
+the tier's other counters are: they never go back).
 """
 
 from __future__ import annotations
@@ -48,29 +51,35 @@ class HintFamilies:
         self.chunks = GaugeMetricFamily(
             "tiering_hint_chunks",
             "Chunks the tier holds under a retention hint, by state: retained (kept from "
-            "eviction until their hint's TTL ends, within the share limit), released (the "
-            "client said the conversation is over: evicted first).",
+            "eviction until their hint's TTL ends, within the share limit; one whose TTL "
+            "ended is counted until it leaves the tier or a newer retention needs its "
+            "place), released (the client said the conversation is over: evicted first).",
             labels=(*tier, "state"),
         )
         self.limit = GaugeMetricFamily(
             "tiering_hint_retained_chunks_limit",
             "The most chunks retention hints may keep (hint_share of the tier's capacity); "
-            "past it the lowest-priority, oldest retentions are dropped.",
+            "past it retentions whose TTL ended are dropped first, then the "
+            "lowest-priority, oldest ones.",
             labels=tier,
         )
         self.followed = GaugeMetricFamily(
             "tiering_hint_followed",
             "1 while the tier follows this kind of hint (release, retain), 0 while it "
             "ignores it because the hints' chunks are not reused as the hints say (see "
-            "tiering_hint_reuse_ratio): the clients' hints of that kind are wrong.",
+            "tiering_hint_reuse_ratio): the clients' hints of that kind are wrong. While no "
+            "hint of a kind comes, it keeps its last verdict.",
             labels=(*tier, "kind"),
         )
         self.hinted = CounterMetricFamily(
             "tiering_hinted_chunks",
-            "Hints applied to chunks the tier held, retain or release: one per chunk per "
-            "hint applied (a chunk hinted at its store and again at its request's end "
-            "counts twice). Its rate is how much of the traffic clients hint.",
-            labels=tier,
+            "Chunks the tier held that a retention hint named, by the hint's kind (release, "
+            "retain, as tiering_hint_followed's): one per chunk per hint, not distinct "
+            "chunks (a chunk named by its store's hint and again by its request's use counts "
+            "twice; a release names the head it shares with other conversations too, which "
+            "it leaves unreleased). Its rate is how much of the traffic clients hint, of "
+            "each kind.",
+            labels=(*tier, "kind"),
         )
         self.released_evicted = CounterMetricFamily(
             "tiering_hint_released_evictions",
@@ -122,7 +131,8 @@ class HintFamilies:
         self.limit.add_metric(tier, hints.retained_limit)
         self.followed.add_metric([*tier, "release"], int(hints.following_releases))
         self.followed.add_metric([*tier, "retain"], int(hints.following_retentions))
-        self.hinted.add_metric(tier, hints.hinted_keys_total)
+        self.hinted.add_metric([*tier, "release"], hints.released_keys_total)
+        self.hinted.add_metric([*tier, "retain"], hints.retained_keys_total)
         self.released_evicted.add_metric(tier, hints.released_evicted_total)
         self.dropped.add_metric(tier, hints.retention_overflow_total)
         self.overridden.add_metric(tier, hints.retention_overridden_total)
