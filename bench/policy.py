@@ -229,16 +229,18 @@ def check_hint_targets(
 ) -> list[str]:
     """The issue's hint targets missed, one message each: on the trace, `HINT_TARGETS`
     against the default policy without hints (``plain``, the first section); on every
-    workload, the "none" row hitting exactly as it (a target capacity not run is a miss)."""
+    workload, the "none" row hitting and evicting exactly as it (a target capacity not run
+    is a miss)."""
     missed: list[str] = []
     for workload, rows in hinted.items():
         for capacity, row in rows.items():
-            base = plain[workload][capacity][DEFAULT_POLICY]
-            if row["none"].hit_blocks != base.hit_blocks:
+            base, none = plain[workload][capacity][DEFAULT_POLICY], row["none"]
+            if (none.hit_blocks, none.evictions) != (base.hit_blocks, base.evictions):
                 missed.append(
                     f"{workload} at {capacity:,} tokens: {DEFAULT_POLICY} through the hinted "
-                    f"path without hints hits {row['none'].hit_blocks:,} blocks, "
-                    f"{base.hit_blocks:,} without it"
+                    f"path without hints hits {none.hit_blocks:,} blocks and evicts "
+                    f"{none.evictions:,} chunks, {base.hit_blocks:,} and {base.evictions:,} "
+                    "without it"
                 )
     trace = hinted.get(TRACE)
     if trace is None:

@@ -13,11 +13,14 @@ import numpy as np
 import pytest
 
 from tiering.cli import main
+from tiering.cpu.manager import CPUOffloadingManager
 from tiering.errors import ConfigError, WorkloadError
 from tiering.hints import Hint
-from tiering.policies import POLICY_NAMES
+from tiering.policies import POLICY_NAMES, create_policy
 from tiering.replay import ReplayOptions, _Retention, replay
 from tiering.sim import OPTIMAL, SimulationResult, requests_to_keys, simulate_keys
+from tiering.sim.chain import Chain
+from tiering.sim.result import TraceClock
 from tiering.workload import Request, chat_workload, documents_workload, write_trace
 from tiering.workload.hints import (
     CONTINUATION_RETAIN_S,
@@ -71,6 +74,14 @@ def test_a_partial_last_block_is_not_needed_and_no_complete_block_never_continue
     assert continues(trace) == [True, False, False, False]
 
 
+def test_a_head_every_request_shares_continues_a_one_block_request() -> None:
+    # The rule's letter (the module's docstring): block 0, a system prompt every later
+    # request begins with, continues a one-block request whatever its conversation does.
+    trace = [req(0, B + 100, 0, 1), req(10, 2 * B + 100, 0, 2, 3), req(20, B, 0)]
+    assert continues(trace) == [True, False, False]  # request 1 needs its block 2 again
+    assert continuation_delays(trace) == [0.01, None, None]
+
+
 def test_a_share_of_the_blocks_continues_a_request_for_documents() -> None:
     trace = [req(0, 4 * B, 1, 2, 3, 4), req(10, 3 * B, 1, 2, 6)]
     assert continues(trace) == [False, False]
@@ -96,9 +107,10 @@ def test_the_built_in_workloads_get_their_own_rule() -> None:
     documents = documents_workload(400, seed=1)
     strict = continues(documents)
     mine = workload_hints(documents, "continuation", workload="documents")
-    assert mine == continuation_hints(documents, share=0.5)
-    # A question whose session ends is still retained while later ones read its document.
-    assert sum(h.retains for h in mine or ()) > sum(strict)
+    assert mine == continuation_hints(documents)  # the conversation rule (module docstring)
+    assert [h.retains for h in mine or ()] == strict
+    # The looser rule, measured and kept for whoever wants it, retains more.
+    assert sum(h.retains for h in continuation_hints(documents, share=0.5)) > sum(strict)
     assert workload_hints(chat, "none") is None
 
 
@@ -211,6 +223,33 @@ def test_the_disk_tier_below_keeps_what_the_cpu_tier_could_not(policy: str) -> N
         assert result.hit_blocks_by_tier == expected
 
 
+def test_the_disk_index_gets_hints_as_the_engine_gives_them() -> None:
+    # As `DiskIndex`: each chunk written is noted once with its store's hint (a use, so
+    # a later read of it counts as a reuse of a retained chunk), and a read from the
+    # disk is a use without the reading request's hint (the engine's touch does no I/O).
+    clock = TraceClock()
+    cpu = CPUOffloadingManager(8, create_policy("lru", 8), clock=clock)
+    disk = CPUOffloadingManager(40, create_policy("lru", 40), clock=clock)
+    chain = Chain(cpu, disk, policy="lru", capacity_tokens=8 * B, disk_tokens=40 * B)
+    first, *others, again = requests_to_keys(
+        [req(0, 3 * B, 1, 2, 3), *(req(i, 2 * B, 10 * i, 10 * i + 1) for i in range(1, 5)),
+         req(9, 3 * B, 1, 2, 3)]
+    )  # fmt: skip
+    chain(first, RETAIN)
+    for keys in others:  # evict the first request's chunks from the CPU tier
+        chain(keys, None)
+    assert chain(again, RELEASE) == 3  # all three read back from the disk
+    stats = disk.hints.statistics()
+    assert stats.released == 0  # the reading request's release stayed in the CPU tier
+    assert stats.reuse_retained > 0  # the retained chunks written were used again
+
+
+def test_hints_need_the_workload_clock() -> None:
+    keys = requests_to_keys(chat_workload(20))
+    with pytest.raises(ConfigError, match="hints need the requests' arrivals: give times_s"):
+        simulate_keys(keys, capacity_tokens=20 * B, hints=[RETAIN] * len(keys))
+
+
 def test_released_requests_go_first() -> None:
     requests, _ = flood(False)
     hints = continuation_hints(requests)  # the first turn retained, the flood released
@@ -309,7 +348,7 @@ def test_simulate_table_shows_the_hints(capsys: pytest.CaptureFixture[str]) -> N
     ("command", "flags", "expected"),
     [
         ("simulate", ["--hint-error", "0.2"], "--hint-error 0.2 spoils retention hints"),
-        ("simulate", ["--hint-seed", "3"], "--hint-seed 3 spoils retention hints"),
+        ("simulate", ["--hint-seed", "3"], "--hint-seed 3 picks the retention hints --hint-error"),
         ("simulate", ["--hints", "continuation", "--hint-error", "1.5"], "fraction from 0 to 1"),
         ("simulate", ["--hints", "continuation", "--hint-error", "-0.1"], "got '-0.1'"),
         ("simulate", ["--hints", "continuation", "--hint-error", "nan"], "got 'nan'"),
@@ -428,10 +467,10 @@ def _bench() -> ModuleType:
     return module
 
 
-def made_up(hit_blocks: int, blocks: int = 1000) -> SimulationResult:
+def made_up(hit_blocks: int, blocks: int = 1000, evictions: int = 0) -> SimulationResult:
     return SimulationResult.of(policy="dslru", capacity_tokens=B, capacity_chunks=1,
                                requests=1, blocks=blocks, hit_blocks=hit_blocks,
-                               store_failures=0, evictions=0, seconds=1.0)  # fmt: skip
+                               store_failures=0, evictions=evictions, seconds=1.0)  # fmt: skip
 
 
 def tables(
@@ -462,7 +501,12 @@ def test_bench_hint_targets_held_report_nothing_and_misses_are_named() -> None:
         "(10.00%) < 1.45x"
     )
     (differs,) = bench.check_hint_targets(*tables(held, none=101))[:1]
-    assert "through the hinted path without hints hits 101 blocks, 100 without it" in differs
+    assert "without hints hits 101 blocks and evicts 0 chunks, 100 and 0 without it" in differs
+    hinted, plain = tables(held)  # "none" is exactly no hints: its evictions too
+    hinted["trace"][3_000_000]["none"] = made_up(100, evictions=1)
+    (differs,) = bench.check_hint_targets(hinted, plain)
+    assert differs.startswith("trace at 3,000,000 tokens: dslru through the hinted path")
+    assert "evicts 1 chunks, 100 and 0 without it" in differs
 
 
 def test_bench_hints_table_runs_every_row_serially() -> None:

@@ -147,7 +147,7 @@ def add_hint_args(parser: argparse.ArgumentParser) -> None:
         default=HintSource.NONE.value,
         help="retention hints per request: none (the default), or continuation: retain "
         f"{CONTINUATION_RETAIN_S:g} s when a later request begins with the request's complete "
-        "blocks (documents: half of them), else release",
+        "blocks, else release",
     )
     parser.add_argument(
         "--hint-error",
@@ -169,10 +169,13 @@ def check_hint_args(args: argparse.Namespace) -> tuple[str, float, int]:
     """The hints asked for: their source, error and seed; `UsageError` for an error or
     a seed without hints to spoil."""
     if args.hints == HintSource.NONE.value:
-        for flag, value in (("--hint-error", args.hint_error), ("--hint-seed", args.hint_seed)):
+        for flag, value, does in (
+            ("--hint-error", args.hint_error, "spoils retention hints"),
+            ("--hint-seed", args.hint_seed, "picks the retention hints --hint-error spoils"),
+        ):
             if value is not None:
                 raise UsageError(
-                    f"{flag} {value:g} spoils retention hints, and none were asked for: add "
+                    f"{flag} {value:g} {does}, and none were asked for: add "
                     f"--hints {HintSource.CONTINUATION.value}, or drop {flag}"
                 )
     return args.hints, args.hint_error or 0.0, args.hint_seed or 0

@@ -95,7 +95,7 @@ def _hints_note(args: argparse.Namespace) -> str:
     seed = args.hint_seed or 0
     return (
         f"hints: each request retains its chunks {CONTINUATION_RETAIN_S:g} s when a later "
-        "request begins with its complete blocks (documents: half of them), else releases "
+        "request begins with its complete blocks, else releases "
         f"them; wrong: that share of the requests given the other hint (seed {seed}); the "
         "offline optimum ignores hints, the clock is the workload's"
     )

@@ -18,9 +18,12 @@ Each request:
    store of more chunks than the write-through may pin in the CPU tier at once
    (half of it, `tiering.cpu.flows.default_pin_bound`) is not written: the engine drops it.
 
-A request's retention hint reaches both tiers: the CPU tier's touch, and the
-disk tier's index through its own manager (a read's touch, a rewrite's touch,
-and the new chunks written through, which join it hinted).
+A request's retention hint reaches both tiers as the engine's does: the CPU
+tier's touch, and the disk tier's index with the write-through of the chunks
+it stored (each chunk written, new or rewritten, noted once with the store's
+hint, as `DiskIndex.written`). A read from the disk is a use without a hint, as
+`DiskIndex.touch` (the engine's touch does no I/O: its hint reaches the CPU
+tier only).
 
 Where it differs from the engine: here each write-through lands before the
 next request. The engine writes through in the background and does not wait:
@@ -44,6 +47,18 @@ from tiering.hints import Hint
 from tiering.sim.one_tier import OneTier
 
 __all__ = ["Chain"]
+
+
+class _Held:
+    """The chunks a manager holds, as a container (`HintBook.note`'s ``held``)."""
+
+    __slots__ = ("_holds",)
+
+    def __init__(self, manager: CPUOffloadingManager) -> None:
+        self._holds = manager.holds
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, bytes) and self._holds(OffloadKey(key))
 
 
 class Chain(OneTier):
@@ -97,7 +112,7 @@ class Chain(OneTier):
             return hits
         read = output.keys_to_store
         cpu.complete_store(read)
-        disk.touch(read, hint)  # a read is a use of the disk's chunk
+        disk.touch(read)  # a read is a use of the disk's chunk, without a hint (the engine's)
         ready = 0
         for key in keys[hits:]:  # the engine counts on past the run, as here
             if not holds(key, ready=True):
@@ -121,10 +136,12 @@ class Chain(OneTier):
         new = written.keys_to_store
         if new:
             disk.complete_store(new)  # new chunks join the disk's policy, not touched
-            disk.hint(new, hint)  # but hinted as the request is
         if len(new) < len(batch):  # a rewrite of a chunk the disk held is a use of it
             fresh = set(new)
-            disk.touch([key for key in batch if key not in fresh], hint)
+            disk.policy.touch([key for key in batch if key not in fresh])
+        book = disk.hints
+        if hint is not None or book.engaged:  # every chunk written, with the store's hint
+            book.note(batch, hint, _Held(disk))
 
     def counts(self) -> dict[str, int]:
         return {

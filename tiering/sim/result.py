@@ -172,15 +172,21 @@ def run_simulation(
 ) -> SimulationResult:
     """Every request through ``simulation``, one at a time, each with its hint of
     ``hints`` (one per request; None: no hint at all); before each, ``clock`` is set
-    to its arrival in ``times_s`` (seconds, one per request). ``progress`` is called
-    every thousand requests or so, and once at the end. ``labels`` is the result's
-    ``hints`` and ``hint_error``."""
+    to its arrival in ``times_s`` (seconds, one per request; hints with a clock and no
+    arrivals are refused, `ConfigError`: their retentions would never end).
+    ``progress`` is called every thousand requests or so, and once at the end.
+    ``labels`` is the result's ``hints`` and ``hint_error``."""
     total = len(request_keys)
     for name, given in (("hints", hints), ("times_s", times_s)):
         if given is not None and len(given) != total:
             raise ConfigError(
                 f"{name} must hold one entry per request ({total:,}), got {len(given):,}"
             )
+    if hints is not None and clock is not None and times_s is None:
+        raise ConfigError(  # the clock would stay at 0: no retention would ever end
+            "hints need the requests' arrivals: give times_s (seconds, one per request) "
+            "with them, the clock their retentions count in"
+        )
     blocks = hit_blocks = 0
     start = time.perf_counter()
     for index, keys in enumerate(request_keys):
