@@ -53,6 +53,7 @@ the protected keys the policy skips.
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Container, Sequence
@@ -136,10 +137,6 @@ class _Buckets:
             del self.where[key]
             return key
         raise KeyError("no key")  # pragma: no cover - callers check len first
-
-    def live(self, now: float) -> int:
-        """Keys whose value (a deadline) is after ``now``."""
-        return sum(1 for bucket in self.by_priority.values() for v in bucket.values() if v > now)
 
     def __len__(self) -> int:
         return len(self.where)
@@ -284,6 +281,7 @@ class HintBook:
         self._ratio = ratio
         self._slack = slack
         self._retained = _Buckets()
+        self._deadlines: list[tuple[float, OffloadKey]] = []  # a heap over the retentions
         self._released = _Buckets()
         self._accuracy = _Accuracy(capacity, memory)
         self._follow = [True, True]  # releases, retentions
@@ -372,7 +370,11 @@ class HintBook:
             retained = self._retained
             for key in reversed(mine):  # the head retained last: the last to lose it
                 old = retained.get(key)
-                retained.put(key, deadline if old is None else max(old, deadline), hint.priority)
+                if old is None or old < deadline:
+                    retained.put(key, deadline, hint.priority)
+                    heapq.heappush(self._deadlines, (deadline, key))
+                else:
+                    retained.put(key, old, hint.priority)
             self._bound()
 
     def _shared_head(self, keys: Sequence[OffloadKey]) -> int:
@@ -395,18 +397,27 @@ class HintBook:
         retained = self._retained
         if len(retained) <= self._limit:
             return
-        now = self._clock()
-        expired = [
-            key
-            for bucket in retained.ordered()
-            for key, deadline in bucket.items()
-            if deadline <= now
-        ]
-        for key in expired:
-            retained.pop(key)
+        self._expire()
         while len(retained) > self._limit:
             retained.pop_first()
             self._overflow += 1
+
+    def _expire(self) -> None:
+        """Forget the retentions whose deadline passed, soonest first (a heap of
+        deadlines; an entry a later retention extended is skipped, and the heap is
+        rebuilt when such entries outnumber the live ones)."""
+        now, heap, retained = self._clock(), self._deadlines, self._retained
+        while heap and heap[0][0] <= now:
+            deadline, key = heapq.heappop(heap)
+            if retained.get(key) == deadline:
+                retained.pop(key)
+        if len(heap) > 2 * len(retained) + 64:
+            self._deadlines = [
+                (deadline, key)
+                for bucket in retained.by_priority.values()
+                for key, deadline in bucket.items()
+            ]
+            heapq.heapify(self._deadlines)
 
     def evict(
         self, policy: CachePolicy, n: int, protected: Container[OffloadKey]
@@ -464,10 +475,15 @@ class HintBook:
         """Forget every hint and what they were measured to be worth (a tier reset)."""
         self._released.clear()
         self._retained.clear()
+        self._deadlines = []
         self._accuracy.clear()
         self._uses.clear()
         self._follow = [True, True]
         self.engaged = False
+
+    def _live_retained(self) -> int:
+        self._expire()
+        return len(self._retained)
 
     def statistics(self) -> HintStatistics:
         accuracy = self._accuracy
@@ -475,7 +491,7 @@ class HintBook:
         retained_rate = accuracy.rates(_RETAINED)[2]
         plain_rate = accuracy.rates(_PLAIN)[2]
         return HintStatistics(
-            retained=self._retained.live(self._clock()),
+            retained=self._live_retained(),
             retained_limit=self._limit,
             released=len(self._released),
             following_releases=self._follow[0],
