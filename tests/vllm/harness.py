@@ -318,14 +318,27 @@ class Engine:
                             self.labelled[at] = self.labelled.get(at, 0) + value
 
     def add(
-        self, prompt: Sequence[int], *, max_tokens: int = 1, req_id: str | None = None
+        self,
+        prompt: Sequence[int],
+        *,
+        max_tokens: int = 1,
+        req_id: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
+        kv_hints: Any = None,
     ) -> Request:
+        """Add a request; ``kv_transfer_params`` reach vLLM as an OpenAI-compatible
+        server passes them (``SamplingParams.extra_args``), ``kv_hints`` (a
+        ``KvHintsEnvelope``) as the request's own."""
+        extra = None if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params}
         request = Request(
             request_id=req_id if req_id is not None else f"req-{next(self._ids)}",
             prompt_token_ids=list(prompt),
-            sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            sampling_params=SamplingParams(
+                max_tokens=max_tokens, ignore_eos=True, extra_args=extra
+            ),
             pooling_params=None,
             block_hasher=self.block_hasher,
+            kv_hints=kv_hints,
         )
         self.scheduler.add_request(request)
         return request

@@ -29,6 +29,17 @@ manager, so the tiering manager is never entered from another thread:
   tiers finished is collected at the step's first lookup (`poll`), before the
   CPU tier answers: a prefix asked in one step and answered in the next is
   loading in the step after (tests/vllm/test_promotion_steps.py).
+- **Promote-ahead for retained requests.** vLLM looks a waiting request up
+  before it runs; the link queues every chunk the tiers hold as the tiers
+  answer. A step's promotions are reserved request by request, and all or
+  none (their slots are fresh; a chunk still being written is not evictable),
+  so when the CPU tier is short of room the requests reserved first win and
+  the others are recomputed. A request whose hint retains (``hint_of``:
+  `tiering.hints`) is reserved first (higher priority first), and its promoted
+  chunks carry its hint, so other promotions and stores do not evict them
+  (within the hints' share of the tier) before it is scheduled and loads them.
+  The chunks of a request's write-throughs carry its hint to the tiers below
+  (`tiering.integrations.vllm.polled`).
 - **Resets.** `reset` waits for the tiers' jobs in flight (each ends within
   its timeout): their rows are about to be handed out again (so what a
   promotion it settles gave is not written up: no job may read them). Until vLLM's
@@ -84,6 +95,7 @@ from tiering.cpu.flows import (
 )
 from tiering.cpu.manager import CPUOffloadingManager
 from tiering.errors import ConfigError
+from tiering.hints import MAX_PRIORITY, Hint
 from tiering.integrations.vllm.polled import LOSS_REPORT_S, LossReport
 
 __all__ = ["CascadeMetrics", "SecondaryLink", "tier_label"]
@@ -162,18 +174,24 @@ class _Observed:
 POOL_WAIT_S = 10.0
 
 
+def _no_hint(req_context: ReqContext) -> Hint | None:
+    return None
+
+
 class SecondaryLink:
     """The CPU tier ``cpu`` over the tiers ``tier_factory`` builds, in order (None until
     they can be built), labelled ``labels`` (`tier_label`); "tier" here is always a
-    tier below the CPU tier."""
+    tier below the CPU tier. ``hint_of`` gives a request's retention hint."""
 
     def __init__(
         self,
         cpu: CPUOffloadingManager,
         tier_factory: Callable[[], Sequence[SecondaryTierManager] | None],
         labels: Sequence[str] = ("1:secondary",),
+        hint_of: Callable[[ReqContext], Hint | None] = _no_hint,
     ) -> None:
         self._cpu = cpu
+        self._hint_of = hint_of
         self._factory: Callable[[], Sequence[SecondaryTierManager] | None] | None = tier_factory
         self.labels = tuple(labels)
         self.tiers: tuple[SecondaryTierManager, ...] = ()
@@ -342,10 +360,18 @@ class SecondaryLink:
             keys.append(key)
             sources.append(source)
         self._queued.clear()
-        for req_context, keys, sources in by_request.values():
+        for req_context, keys, sources in sorted(by_request.values(), key=self._rank):
             self._promote(keys, sources, req_context, held.get(req_context.req_id, ()))
         for tier in self.tiers:
             tier.on_schedule_end(context)
+
+    def _rank(self, promotion: tuple[ReqContext, list[OffloadKey], list[int]]) -> int:
+        """The order of a request's promotion in a step (a stable sort: lookup order
+        otherwise): retained requests first, the higher priority first."""
+        hint = self._hint_of(promotion[0])
+        if hint is None or not hint.retains:
+            return 0
+        return -(MAX_PRIORITY + 1 + hint.priority)  # from -1 (lowest) to -201
 
     def _promote(
         self,
@@ -369,6 +395,9 @@ class SecondaryLink:
             self._promoting.difference_update(key for key, _ in wanted)
             return
         self._promotions[ticket.job.number] = _Reading(ticket, req_context)
+        hint = self._hint_of(req_context)
+        if hint is not None and hint.retains:  # kept until the request loads them
+            self._cpu.hint(ticket.keys, hint)
         for index in sorted(set(ticket.sources)):
             mine = [i for i, source in enumerate(ticket.sources) if source == index]
             self.tiers[index].submit_load(

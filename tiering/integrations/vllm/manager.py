@@ -15,6 +15,22 @@ commits them. The keys are ordered by the position vLLM records for each
 in its context's scratch space (``set_state``), so nothing is kept for a
 request that vLLM forgets.
 
+Hints. A request's retention hint (`tiering.hints`: ``{"tiering": {"version": 1,
+"retain_s": 600}}`` in its ``kv_transfer_params``, or a ``"tiering.retention"``
+action of its ``kv_hints``) is read once, when vLLM announces the request
+(``on_new_request``) by the manager's `RequestHints`, and kept in the
+request's context (``set_state``). The tier gets it with the request's use
+(``touch`` at the end, as above) and with each of its stores as they land
+(`CPUOffloadingManager.hint`: the chunks a request stores are retained, or
+released, from the moment they are held, not only once it ends); the tiers
+below get it with the request's write-throughs (``write_hinted``), and a
+retained request's promotions go first (`SecondaryLink`). A malformed
+or unknown hint is counted, said once per kind in vLLM's log, and the request
+goes on without it; never an error in a scheduler step. The counts reach
+vLLM's metrics (`TieringMetrics`: ``hints{outcome=...}``, the released chunks
+evicted first, the retentions the tier had to override, the chunks retained
+now and whether the tier follows the hints).
+
 Events. With KV events on, the tier's chunk events leave through vLLM's own
 path (``take_events``, drained by the connector into vLLM's publisher) as
 ``OffloadingEvent`` records of medium CPU: a landed store is stored, an
@@ -31,6 +47,7 @@ new store is submitted, so a reused slot is never written twice at once.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -62,10 +79,15 @@ from tiering.cpu.manager import (
     CPUOffloadingManager,
     LookupResult,
 )
+from tiering.hints import Hint, HintCounts
 from tiering.integrations.vllm.link import SecondaryLink
+from tiering.integrations.vllm.request_hints import RequestHints
 from tiering.policies import CachePolicy
+from tiering.policies.hints import HintStatistics
 
 __all__ = ["TieringMetrics", "TieringOffloadingManager"]
+
+logger = logging.getLogger(__name__)
 
 _LOOKUP = {
     LookupResult.HIT: VllmLookupResult.HIT,
@@ -80,6 +102,17 @@ class TieringMetrics:
     EVICTIONS = "vllm:kv_offload_tiering_cpu_evictions"
     ALLOCATION_FAILURES = "vllm:kv_offload_tiering_cpu_allocation_failures"
     STORE_FAILURES = "vllm:kv_offload_tiering_cpu_store_failures"  # a worker's or a promotion's
+    #: Requests' hints by ``outcome``: `HINT_OUTCOMES` (`tiering.hints.HintCounts`' fields).
+    HINTS = "vllm:kv_offload_tiering_hints"
+    HINT_OUTCOME_LABEL = "outcome"
+    HINT_OUTCOMES = tuple(HintCounts.__struct_fields__)
+    #: Chunks evicted first because their request said its conversation was over.
+    HINT_RELEASED_EVICTED = "vllm:kv_offload_tiering_hint_released_evicted"
+    #: Retained chunks evicted before their deadline: a store needed room only they had.
+    HINT_RETENTION_OVERRIDDEN = "vllm:kv_offload_tiering_hint_retention_overridden"
+    #: Gauges: chunks retained (protected) now; 1 while the tier follows the hints.
+    HINT_RETAINED = "vllm:kv_offload_tiering_hint_retained_chunks"
+    HINT_FOLLOWING = "vllm:kv_offload_tiering_hint_following"
 
 
 @dataclass(slots=True)
@@ -123,12 +156,14 @@ class TieringOffloadingManager(OffloadingManager):
         self._config_info: ConfigInfoMapping = dict(config_info or {})
         self._generation = 0
         # Counts since the last get_stats(), for vLLM's counters (which add deltas).
-        self._reported = (0, 0, 0)
+        self._reported: dict[tuple[str, str], int] = {}
+        #: Reads each request's hint once; counts what it ignored or refused.
+        self.request_hints = RequestHints(logger.warning)
         self._allocation_sizes: list[int] = []
         #: The tiers below, when configured (built once the rows can be mapped), labelled
         #: ``secondary_labels`` in vLLM's metrics.
         self.link = (
-            SecondaryLink(self._tier, secondary, secondary_labels)
+            SecondaryLink(self._tier, secondary, secondary_labels, hint_of=self.hint_of)
             if secondary is not None
             else None
         )
@@ -150,6 +185,19 @@ class TieringOffloadingManager(OffloadingManager):
             req_context.set_state(state)
         return state
 
+    def hint_of(self, req_context: ReqContext) -> Hint | None:
+        """The request's hint, read from its channels the first time it is asked."""
+        return self.request_hints.of(req_context)
+
+    @property
+    def hint_counts(self) -> HintCounts:
+        """What the requests' channels carried (a copy): hints taken, ignored, refused."""
+        return self.request_hints.counts
+
+    def hint_statistics(self) -> HintStatistics:
+        """What the tier's hints hold and did (`tiering.policies.hints.HintBook`)."""
+        return self._tier.hints.statistics()
+
     def _observe(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
         state = self._request(req_context)
         if not state.finished:
@@ -157,6 +205,7 @@ class TieringOffloadingManager(OffloadingManager):
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         self._request(req_context)
+        self.hint_of(req_context)
         if self.link is not None:
             self.link.on_new_request(req_context)
         return RequestOffloadingContext()
@@ -181,7 +230,8 @@ class TieringOffloadingManager(OffloadingManager):
             order = sorted(range(len(keys)), key=positions.__getitem__)  # stable: group order
             keys = [keys[i] for i in order]
         # Only what the tier still holds: the policy reads the last key as the request's tail.
-        self._tier.touch([key for key in keys if self._tier.holds(key)])
+        held = [key for key in keys if self._tier.holds(key)]
+        self._tier.touch(held, self.hint_of(req_context))
 
     # -- the tier ---------------------------------------------------------------
 
@@ -247,10 +297,13 @@ class TieringOffloadingManager(OffloadingManager):
         tier = self._tier
         if self.link is None or not success:
             tier.complete_store(keys, success)
-            return
-        landing = [key for key in keys if tier.holds(key) and not tier.holds(key, ready=True)]
-        tier.complete_store(keys, success)
-        self.link.landed(landing, req_context)
+        else:
+            landing = [key for key in keys if tier.holds(key) and not tier.holds(key, ready=True)]
+            tier.complete_store(keys, success)
+            self.link.landed(landing, req_context)
+        hint = self.hint_of(req_context)
+        if success and hint is not None:  # the request's stores carry its hint as they land
+            tier.hint(keys, hint)
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         if self.link is not None:
@@ -301,15 +354,25 @@ class TieringOffloadingManager(OffloadingManager):
         for size in self._allocation_sizes:
             out.observe_histogram(CPUOffloadingMetrics.CPU_ALLOCATION_SIZE, size)
         self._allocation_sizes.clear()
-        now = (stats.evictions_total, stats.allocation_failures_total, stats.store_failed_total)
-        names = (
-            TieringMetrics.EVICTIONS,
-            TieringMetrics.ALLOCATION_FAILURES,
-            TieringMetrics.STORE_FAILURES,
-        )
-        for name, total, before in zip(names, now, self._reported, strict=True):
-            out.increase_counter(name, total - before)
-        self._reported = now
+        now: dict[tuple[str, str], int] = {
+            (TieringMetrics.EVICTIONS, ""): stats.evictions_total,
+            (TieringMetrics.ALLOCATION_FAILURES, ""): stats.allocation_failures_total,
+            (TieringMetrics.STORE_FAILURES, ""): stats.store_failed_total,
+        }
+        hints = stats.hints  # None until the tier saw a hint: no sample that says otherwise
+        if hints is None and (TieringMetrics.HINT_RELEASED_EVICTED, "") in self._reported:
+            hints = self._tier.hints.statistics()  # reset since: what it holds now is news
+        if hints is not None:
+            out.set_gauge(TieringMetrics.HINT_RETAINED, hints.retained)
+            out.set_gauge(TieringMetrics.HINT_FOLLOWING, int(self._tier.hints.following))
+            now[TieringMetrics.HINT_RELEASED_EVICTED, ""] = hints.released_evicted_total
+            now[TieringMetrics.HINT_RETENTION_OVERRIDDEN, ""] = hints.retention_overridden_total
+        for outcome, count in self.request_hints.counts.as_dict().items():
+            now[TieringMetrics.HINTS, outcome] = count
+        for (name, label), total in now.items():  # vLLM's counters add deltas
+            delta = total - self._reported.get((name, label), 0)
+            out.increase_counter(name, delta, (label,) if label else ())
+        self._reported.update(now)
         return out if self.link is None else self.link.add_stats(out)
 
     def config_info(self) -> Sequence[ConfigInfoMapping]:

@@ -52,10 +52,25 @@ Design note. vLLM's policy contract and tiering's differ in three ways, and
   needed. ``on_request_access`` is left as vLLM's no-op: tiering commits no
   provisional recency while a request runs (its loaded chunks are pinned
   while they load).
+
+Hints. vLLM's native manager hands the policy each request's ``ReqContext``
+(on ``insert``, ``touch``, ``on_request_finished``), and with it the request's
+``kv_transfer_params`` and ``kv_hints``. The adapter reads a request's
+retention hint once (`RequestHints`, its result kept in the context) and
+holds a `tiering.policies.hints.HintBook`, asked for victims as
+tiering's own manager asks it: released chunks first, retained ones spared
+until their deadline within their share of the tier, the tiering policy's own
+choice where no hint is held. A request's hint applies to the chunks it
+stores (``insert``) and to its keys when it ends (``on_request_finished``). A
+malformed hint is counted (`hint_counts`) and said once per kind in vLLM's
+log. vLLM's native manager reports no policy figures to vLLM's metrics
+(its ``get_stats`` does not ask the policy), so the counts are read here
+(`hint_counts`, `hints`), not in Prometheus: `TieringSpec` reports them there.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Container, Iterable, Sequence
 from typing import ClassVar
 
@@ -63,12 +78,17 @@ from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus
 
 from tiering.errors import ConfigError
+from tiering.hints import HintCounts
 from tiering.integrations.vllm.logs import adopt_vllm_logging
+from tiering.integrations.vllm.request_hints import RequestHints
 from tiering.policies import POLICY_NAMES, PolicyStatistics, create_policy
 from tiering.policies import CachePolicy as OrderPolicy
+from tiering.policies.hints import HintBook
 
 #: With one ``<NAME>CachePolicy`` per tiering policy, added below (`CACHE_POLICIES`).
 __all__ = ["CACHE_POLICIES", "TieringCachePolicy", "vllm_policy_name"]
+
+logger = logging.getLogger(__name__)
 
 
 def prefix_order(keys: Iterable[OffloadKey], context: ReqContext | None) -> list[OffloadKey]:
@@ -119,6 +139,8 @@ class TieringCachePolicy(CachePolicy):
         adopt_vllm_logging()
         # A tier of no chunks never stores; the ghost lists still need a size.
         self._order: OrderPolicy = create_policy(self.policy_name, max(1, cache_capacity))
+        self._hints = HintBook(max(1, cache_capacity))
+        self._requests = RequestHints(logger.warning)
         self._chunks: dict[OffloadKey, ChunkStatus] = {}
         self._evictable: set[OffloadKey] = set()
         # The latest on_store_miss: a store's new keys, head first.
@@ -135,6 +157,16 @@ class TieringCachePolicy(CachePolicy):
         self._settle()
         return self._order
 
+    @property
+    def hints(self) -> HintBook:
+        """The retention hints the tier holds (read its `statistics`; do not drive it)."""
+        return self._hints
+
+    @property
+    def hint_counts(self) -> HintCounts:
+        """What the requests' channels carried (a copy): hints taken, ignored, refused."""
+        return self._requests.counts
+
     # -- vLLM's chunk map --------------------------------------------------------
 
     def get(self, key: OffloadKey) -> ChunkStatus | None:
@@ -144,6 +176,9 @@ class TieringCachePolicy(CachePolicy):
         self._chunks[key] = chunk
         if chunk.ref_cnt == 0:
             self._evictable.add(key)
+        hint = self._requests.of(req_context)
+        if hint is not None:  # the request's stores carry its hint from the start
+            self._hints.apply((key,), hint, self._chunks)
         if key in self._announced:  # the tiering policy has it since the eviction
             self._announced.discard(key)
             return
@@ -157,6 +192,8 @@ class TieringCachePolicy(CachePolicy):
         if self._chunks.pop(key, None) is not None:
             self._evictable.discard(key)
             self._order.remove((key,))
+            if self._hints.engaged:
+                self._hints.forget((key,))
 
     def mark_evictable(self, key: OffloadKey) -> None:
         if key in self._chunks:
@@ -174,7 +211,9 @@ class TieringCachePolicy(CachePolicy):
 
     def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
         self._settle()
-        self._order.touch(list(keys))
+        used = list(keys)
+        self._order.touch(used)
+        self._note(used, req_context)
 
     def on_request_finished(
         self,
@@ -188,6 +227,7 @@ class TieringCachePolicy(CachePolicy):
         keys = prefix_order((key for group in key_groups for key in group), req_context)
         if keys:
             self._order.touch(keys)
+            self._note(keys, req_context)
 
     # -- eviction ----------------------------------------------------------------
 
@@ -206,7 +246,11 @@ class TieringCachePolicy(CachePolicy):
         # too: it tells ARC that none of T1 is this store's (its keys came earlier).
         self._order.insert(newcomers)
         self._announced.update(newcomers)
-        victims = self._order.evict(n, _Blocked(protected, evictable))
+        blocked = _Blocked(protected, evictable)
+        hints = self._hints
+        victims = (  # without a hint ever seen: the tiering policy's own choice, as before
+            hints.evict(self._order, n, blocked) if hints.engaged else self._order.evict(n, blocked)
+        )
         if victims is None or len(victims) != n:
             raise RuntimeError(  # the evictable set and the policy disagree: a bug
                 f"{self._order!r} gave {victims!r} for {n} victims of {len(evictable)} evictable"
@@ -219,6 +263,7 @@ class TieringCachePolicy(CachePolicy):
 
     def clear(self) -> None:
         self._order.clear()
+        self._hints.clear()
         self._chunks.clear()
         self._evictable.clear()
         self._offered = []
@@ -227,6 +272,13 @@ class TieringCachePolicy(CachePolicy):
         self._staged_context = None
 
     # -- bookkeeping -------------------------------------------------------------
+
+    def _note(self, keys: Sequence[OffloadKey], req_context: ReqContext) -> None:
+        """A request used ``keys``: its hint (if any) goes to the book, which sees every
+        request from the first hint on."""
+        hint = self._requests.of(req_context)
+        if hint is not None or self._hints.engaged:
+            self._hints.note(keys, hint, self._chunks)
 
     def _flush_staged(self) -> None:
         staged = self._staged

@@ -34,6 +34,8 @@ What vLLM's calls become:
   (vLLM pins them until the job is reported finished). At most
   ``max_store_jobs`` stores run at once; past that a store is failed at once
   and its chunks counted as dropped (``queue full``): the CPU tier keeps them.
+  A request's retention hint (a `tiering.hints.Hint` in its context's state,
+  set by `TieringSpec`'s manager) goes with its chunks (``write_hinted``).
 - `submit_load` reads each value straight into its row of ``primary_kv_view``;
   a value that is missing or fails a check fails that key only
   (``JobResult.successful_keys``), and the key's lookup turns to a miss so the
@@ -78,6 +80,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from tiering._state import Lifecycle
 from tiering.errors import ConfigError
+from tiering.hints import Hint
 from tiering.integrations.vllm.handoff import Handoff
 from tiering.integrations.vllm.logs import adopt_vllm_logging
 from tiering.integrations.vllm.tier_report import (
@@ -377,11 +380,13 @@ class PolledSecondaryTier(SecondaryTierManager):
             self._dropped[reason] = self._dropped.get(reason, 0) + len(keys)
             self._finished.put(JobResult(job_id=job_id, success=False))
             return
-        self._start(self._store_jobs, job_metadata, self._store)
+        hint = job_metadata.req_context.get_state(Hint) if job_metadata.req_context else None
+        self._start(self._store_jobs, job_metadata, lambda j, r: self._store(j, r, hint))
 
-    async def _store(self, job_id: int, items: list[tuple[OffloadKey, memoryview]]) -> None:
+    async def _store(self, job_id: int, items: list[Any], hint: Hint | None) -> None:
         started = time.monotonic()
-        written = await self._guarded("write", lambda t: t.write(items), 0, len(items))
+        write = (lambda t: t.write_hinted(items, hint)) if hint else (lambda t: t.write(items))
+        written = await self._guarded("write", write, 0, len(items))
         self._finished.put(
             JobResult(
                 job_id=job_id,
@@ -417,11 +422,7 @@ class PolledSecondaryTier(SecondaryTierManager):
         )
 
     async def _guarded(
-        self,
-        what: str,
-        call: Callable[[SecondaryTier], Awaitable[_T]],
-        failed: _T,
-        chunks: int = 0,
+        self, what: str, call: Callable[[SecondaryTier], Awaitable[_T]], failed: _T, chunks: int = 0
     ) -> _T:
         """``await call(tier)`` once the tier has started, or ``failed`` if it is unusable
         (the ``chunks`` of a write counted as dropped) or the call raised: the tiers count

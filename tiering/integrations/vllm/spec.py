@@ -63,6 +63,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     OffloadingCounterMetadata,
+    OffloadingGaugeMetadata,
     OffloadingManager,
     OffloadingMetricMetadata,
     OffloadingSpec,
@@ -129,6 +130,37 @@ class _MetricsView:
 
     def statistics(self) -> _ManagerView:
         return _ManagerView(manager=self.manager.statistics())
+
+
+def _hint_metric_definitions() -> dict[str, OffloadingMetricMetadata]:
+    """The metrics of the requests' retention hints (`TieringMetrics`' ``HINT*``)."""
+    return {
+        TieringMetrics.HINTS: OffloadingCounterMetadata(
+            documentation=(
+                "Requests' retention hints (kv_transfer_params or kv_hints), by outcome: "
+                "taken, unknown_version and other_actions (ignored), malformed (refused)."
+            ),
+            labelnames=(TieringMetrics.HINT_OUTCOME_LABEL,),
+        ),
+        TieringMetrics.HINT_RELEASED_EVICTED: OffloadingCounterMetadata(
+            documentation="Chunks evicted first: their request's hint released them."
+        ),
+        TieringMetrics.HINT_RETENTION_OVERRIDDEN: OffloadingCounterMetadata(
+            documentation=(
+                "Retained chunks evicted before their hint's deadline: a store needed room "
+                "only they could give."
+            )
+        ),
+        TieringMetrics.HINT_RETAINED: OffloadingGaugeMetadata(
+            documentation="Chunks of the CPU tier a retention hint protects now."
+        ),
+        TieringMetrics.HINT_FOLLOWING: OffloadingGaugeMetadata(
+            documentation=(
+                "1 while the CPU tier follows the hints (of a kind that proved right), 0 "
+                "while its policy decides alone."
+            )
+        ),
+    }
 
 
 #: tiering's tiers `TieringSpec` takes below its CPU tier (``type`` of an entry).
@@ -223,6 +255,7 @@ class TieringSpec(OffloadingSpec):
                 "secondary tier (their slots were freed)."
             )
         )
+        definitions.update(_hint_metric_definitions())
         tiers = extra_config.get("secondary_tiers")
         if tiers and isinstance(tiers, list):
             for name, text in CascadeMetrics.DOCS.items():
