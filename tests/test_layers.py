@@ -48,6 +48,7 @@ LAYERS: dict[str, float] = {
     "secondary.refusals": 1,  # pure: why a chunk was not written, what a fault means
     "secondary.redis": 6,  # redis-py, imported lazily
     "metrics": 5,
+    "hint_metrics": 5,  # the retention hints' metric families, a part of metrics
     "engine": 6,
     "assembly": 6,  # what the engine builds and reports, apart from its facade
     "workload": 7,
