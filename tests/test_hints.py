@@ -125,3 +125,21 @@ def test_the_reader_never_raises_counts_everything_and_warns_once_per_kind() -> 
     assert "version 2 was ignored; this tiering speaks version 1" in said[1]
     assert "malformed hint was refused" in said[0]
     assert "the request goes on without the hint" in said[0]
+
+
+def test_an_action_version_that_is_no_string_is_malformed_and_says_the_string() -> None:
+    # vLLM's KvHintAction types action_version as a string and does not check it: an
+    # orchestrator that builds one with the integer 1 gets told the string '1', once,
+    # not "version 1 was ignored; this tiering speaks version 1".
+    with pytest.raises(HintError) as info:
+        action_hint(ACTION_TYPE, 1, {"retain_s": 5})
+    assert str(info.value) == (
+        "kv_hints action 'tiering.retention' needs an action_version, the string '1'; got 1"
+    )
+    said: list[str] = []
+    reader = HintReader(lambda fmt, *args: said.append(fmt % args))
+    version: Any = 1  # as an orchestrator's Python may build it
+    unchecked = Action(action_id="a", action_type=ACTION_TYPE, action_version=version, payload={})
+    assert reader.read(None, envelope(unchecked)) is None
+    assert (reader.counts.malformed, reader.counts.unknown_version) == (1, 0)
+    assert "needs an action_version, the string '1'; got 1" in said[0]

@@ -349,6 +349,8 @@ def test_simulate_table_shows_the_hints(capsys: pytest.CaptureFixture[str]) -> N
     [
         ("simulate", ["--hint-error", "0.2"], "--hint-error 0.2 spoils retention hints"),
         ("simulate", ["--hint-seed", "3"], "--hint-seed 3 picks the retention hints --hint-error"),
+        ("simulate", ["--hint-seed", "1234567"], "--hint-seed 1234567 picks"),  # as given
+        ("simulate", ["--hint-error", "0.123456789"], "--hint-error 0.123456789 spoils"),
         ("simulate", ["--hints", "continuation", "--hint-error", "1.5"], "fraction from 0 to 1"),
         ("simulate", ["--hints", "continuation", "--hint-error", "-0.1"], "got '-0.1'"),
         ("simulate", ["--hints", "continuation", "--hint-error", "nan"], "got 'nan'"),
@@ -406,6 +408,8 @@ def test_replay_options_refuse_bad_hints() -> None:
         ReplayOptions(hints="oracle")
     with pytest.raises(ConfigError, match="spoils hints, and none were asked for"):
         ReplayOptions(hint_error=0.2)
+    with pytest.raises(ConfigError, match=r"a hint error of 0\.123456789 spoils"):
+        ReplayOptions(hint_error=0.123456789)  # as given
     with pytest.raises(WorkloadError, match="hint error must be a fraction"):
         ReplayOptions(hints="continuation", hint_error=1.5)
 
@@ -424,6 +428,32 @@ def test_replay_cli_json_carries_the_hints(capsys: pytest.CaptureFixture[str]) -
     out = capsys.readouterr().out
     assert "none (--hints)" in out
     assert "continuation: " in out
+
+
+def test_the_replay_and_simulate_tables_point_at_each_other_with_the_same_hints(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # A hinted replay's table named `tiering simulate --requests 150` (no hints: another
+    # run) as the one it matches, and simulate's said a hinted replay hits the same.
+    argv = ["replay", "--workload", "chat", "--requests", "150", "--capacity-tokens", "51200",
+            "--bytes-per-token", "16", "--concurrency", "1", "--hints", "continuation",
+            "--hint-error", "0.5", "--hint-seed", "2"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert (
+        "one request at a time: the hit rate is close to `tiering simulate --requests 150 "
+        "--hints continuation --hint-error 0.5 --hint-seed 2`'s" in out
+    )
+    assert main([*argv[:9], "--hints", "continuation", "--concurrency", "4"]) == 0
+    assert "can be below `tiering simulate --requests 150 --hints continuation`'s" in (
+        capsys.readouterr().out
+    )
+    simulate = ["simulate", *argv[1:7], "--policy", "dslru", *argv[11:]]
+    assert main(simulate) == 0
+    out = capsys.readouterr().out
+    assert "(as `tiering replay --concurrency 1`, with the same hints, which hits close" in out
+    assert main(simulate[:-6]) == 0
+    assert "(as `tiering replay --concurrency 1`, which hits the same)" in (capsys.readouterr().out)
 
 
 def test_retention_is_scaled_to_the_replay_pace_after_a_minute() -> None:

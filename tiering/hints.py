@@ -173,6 +173,11 @@ def action_hint(action_type: object, action_version: object, payload: object) ->
     type; `UnknownVersion` for another version of tiering's; `HintError` if malformed."""
     if action_type != ACTION_TYPE:
         return None
+    if not isinstance(action_version, str):  # vLLM's KvHintAction: a string, unchecked
+        raise HintError(
+            f"kv_hints action {ACTION_TYPE!r} needs an action_version, the string "
+            f"{str(HINTS_VERSION)!r}; got {action_version!r}"
+        )
     if action_version != str(HINTS_VERSION):
         raise UnknownVersion(action_version)
     return payload_hint(payload, f"kv_hints action {ACTION_TYPE!r}")

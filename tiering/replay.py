@@ -151,7 +151,7 @@ class ReplayOptions(msgspec.Struct, frozen=True, kw_only=True):
         flip_mask(0, self.hint_error, self.hint_seed)  # the error and seed's own checks
         if self.hint_error and self.hints == HintSource.NONE.value:
             raise ConfigError(
-                f"a hint error of {self.hint_error:g} spoils hints, and none were asked for: "
+                f"a hint error of {self.hint_error} spoils hints, and none were asked for: "
                 f"give hints={HintSource.CONTINUATION.value!r}"
             )
         if self.remote_password_file is not None and not self.has_remote:

@@ -175,7 +175,7 @@ def check_hint_args(args: argparse.Namespace) -> tuple[str, float, int]:
         ):
             if value is not None:
                 raise UsageError(
-                    f"{flag} {value:g} {does}, and none were asked for: add "
+                    f"{flag} {value} {does}, and none were asked for: add "
                     f"--hints {HintSource.CONTINUATION.value}, or drop {flag}"
                 )
     return args.hints, args.hint_error or 0.0, args.hint_seed or 0

@@ -56,9 +56,11 @@ def simulation_table(
     if hinted:
         lines.append(_hints_note(args))
     if not disk:
+        same = "which hits the same"
+        if hinted:  # the replay's clock is real time: each TTL scaled to its pace
+            same = "with the same hints, which hits close to it: its TTLs follow its pace"
         lines.append(
-            f"{scope}, one request at a time (as `tiering replay --concurrency 1`, which hits "
-            "the same)"
+            f"{scope}, one request at a time (as `tiering replay --concurrency 1`, {same})"
         )
         lines.append(
             "hit rate: blocks found in the CPU tier / all blocks; chunks: blocks it holds; "
@@ -223,7 +225,16 @@ def _keyed(key: AuthKey | None) -> str:
 def _against_simulate(r: ReplayResult, args: argparse.Namespace) -> str:
     """Why the hit rate may differ from `tiering simulate`'s, in one line."""
     same = f" --requests {r.requests}" if args.requests is not None else ""
+    if r.hints != "none":  # the same hints, on the same requests
+        same += f" --hints {r.hints}"
+        same += f" --hint-error {r.hint_error}" if r.hint_error else ""
+        same += f" --hint-seed {args.hint_seed}" if r.hint_error and args.hint_seed else ""
     if r.concurrency == 1:
+        if r.hints != "none":
+            return (
+                f"one request at a time: the hit rate is close to `tiering simulate{same}`'s at "
+                "the same capacity and policy (TTLs follow the replay's pace, not the workload's)"
+            )
         return (
             f"one request at a time: the hit rate is `tiering simulate{same}`'s at the same "
             "capacity and policy"

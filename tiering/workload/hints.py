@@ -79,7 +79,7 @@ __all__ = [
     "workload_hints",
 ]
 
-#: The retention a continuing request asks for, in seconds: 95 % of the conversation
+#: The retention a continuing request asks for, in seconds: 96 % of the conversation
 #: trace's next turns come within it (the module's docstring).
 CONTINUATION_RETAIN_S = 600.0
 
