@@ -38,6 +38,7 @@ from tiering.integrations.vllm.disk_tier import (
     METRIC_UP,
     METRIC_WRITES_DROPPED,
     DiskSecondaryTier,
+    disk_options,
 )
 from tiering.integrations.vllm.extra import remote_namespace
 
@@ -226,6 +227,27 @@ def test_a_prefix_only_the_disk_holds_is_loaded_within_two_steps_of_the_answer(m
         engine.manager.shutdown()
 
 
+@pytest.mark.parametrize("hinted", [False, True])
+def test_under_vllms_own_manager_and_policy_the_tier_reads_a_requests_hint(model, tmp_path, hinted):
+    """vLLM's own CPU manager and LRU policy read no hint: the tier reads the request's
+    retention itself and writes its cascaded chunks with it (once per request)."""
+    engine = make_engine(model, tmp_path / "cache")
+    tier = disk_tier(engine)
+    params = {"tiering": {"version": 1, "retain_s": 600}} if hinted else None
+    try:
+        engine.add(PROMPT, kv_transfer_params=params)
+        engine.run()
+        assert tier.wait_idle(30)
+        engine.run()
+        stats = tier.statistics()
+    finally:
+        engine.manager.shutdown()
+    assert stats.store_jobs > 0
+    assert stats.disk.hinted_total == (stats.disk.writes_total if hinted else 0)
+    assert stats.disk.writes_total > 0
+    assert tier.request_hints.counts.taken == int(hinted)
+
+
 def test_lookups_answer_retry_until_the_folder_is_scanned(model, tmp_path):
     engine = make_engine(model, tmp_path / "cache")
     tier = disk_tier(engine)
@@ -329,6 +351,8 @@ def test_a_folder_another_server_holds_is_a_tier_of_misses(model, tmp_path):
         ({"fsync": "always"}, "'fsync' must be 'none' or 'data' or 'full'"),
         ({"policy": "lfu2"}, "'policy' must be one of"),
         ({"timeout_s": 0}, "'timeout_s' must be a number of seconds above 0"),
+        ({"hint_share": 1.5}, "'hint_share' must be a fraction from 0 to 1"),
+        ({"hint_share": True}, "'hint_share' must be a fraction from 0 to 1"),
         ({"open_on_start": "no"}, "'open_on_start' must be"),
         ({"auth_key": "secret-key-in-the-entry"}, "unknown key"),
     ],
@@ -347,6 +371,16 @@ def test_a_bad_entry_value_is_one_error_naming_the_key(model, tmp_path, options,
     assert named in str(caught.value)
     assert "DiskSecondaryTier" in str(caught.value)
     assert "secret-key-in-the-entry" not in str(caught.value)
+
+
+def test_hint_share_is_the_share_of_the_disk_retained_values_may_hold(tmp_path):
+    def options(**keys: Any) -> dict[str, Any]:
+        config = entry(tmp_path / "cache", **keys)
+        del config["type"], config["module_path"]  # vLLM's keys
+        return disk_options("DiskSecondaryTier", config)[1]
+
+    assert options(hint_share=0.5)["hint_share"] == 0.5  # DiskTier's keyword
+    assert "hint_share" not in options()  # DiskTier's default
 
 
 def test_values_of_another_namespace_in_the_folder_are_misses_and_its_own_are_hits(model, tmp_path):

@@ -200,6 +200,25 @@ def test_a_released_prefix_goes_first_while_older_unhinted_ones_stay(
             engine.scheduler.shutdown()
 
 
+@pytest.mark.parametrize("spec", SPECS)
+def test_what_the_book_keeps_per_chunk_is_bounded_by_the_tier_after_its_hints_are_gone(
+    model: Path, spec: str
+) -> None:
+    """Once a hint was seen the book counts every request's uses of the chunks the tier
+    holds; they go with the chunks, also when no hint is left to honour (the released
+    prefix evicted, then a flood of three tiers' worth of unhinted requests)."""
+    engine = make_engine(model, spec)
+    try:
+        send(engine, 1, kv_transfer_params=RELEASE)
+        flood(engine, 10, 3 * CPU_CHUNKS)
+        book = hints_of(engine)
+        assert book.statistics().released_evicted_total == PREFIX
+        assert not book.active
+        assert len(book._uses) <= CPU_CHUNKS  # the book's only per-chunk record left
+    finally:
+        engine.scheduler.shutdown()
+
+
 #: Malformed and ignored hints, by how the reader counts them.
 FAULTS: list[tuple[str, dict[str, Any]]] = [
     ("malformed", {"kv_transfer_params": {"tiering": {"version": 1, "retain_s": "600"}}}),
@@ -419,3 +438,40 @@ def test_a_hinted_requests_chunks_reach_the_tier_below_with_its_hint(
             worker.connector.shutdown()
     assert engine.manager.link.statistics()["cascade_written"] == 4 * PREFIX
     assert disk.hinted_total == 2 * PREFIX
+
+
+@pytest.mark.parametrize("params", [None, RETAIN, RELEASE])
+def test_a_prefix_found_in_the_cpu_tier_gets_the_requests_retention_in_the_tier_below(
+    model: Path, tmp_path: Path, params: dict[str, Any] | None
+) -> None:
+    """A conversation's next turn finds its prefix in the CPU tier and loads it from
+    there: nothing is written down again, so the values the disk tier holds get the
+    turn's retention when it ends (one call, not a write); without a hint, or with a
+    release (the prefix may be other conversations' too), no call."""
+    entry = {
+        "type": "DiskSecondaryTier",
+        "module_path": "tiering.integrations.vllm",
+        "path": str(tmp_path / "disk"),
+        "capacity_bytes": 256 * CHUNK,
+    }
+    engine = make_engine(model, "TieringSpec", secondary_tiers=[entry])
+    engine.attach_model()
+    try:
+        assert engine.scheduler.reset_prefix_cache()
+        engine.add(prompt(1))  # stored, written through without a hint
+        settle(engine)
+        (tier,) = engine.manager.link.tiers
+        written = tier.statistics().disk.write_calls
+        assert engine.scheduler.reset_prefix_cache()
+        before = engine.hit_tokens
+        engine.add(prompt(1), kv_transfer_params=params)  # the next turn: a CPU hit
+        settle(engine)
+        assert engine.hit_tokens - before == PREFIX * 16
+        stats = tier.statistics()
+    finally:
+        engine.scheduler.shutdown()
+        for worker in engine.models:
+            worker.connector.shutdown()
+    assert stats.disk.write_calls == written  # nothing written again
+    retained = params is RETAIN
+    assert (stats.hint_calls, stats.disk.hinted_total) == ((1, PREFIX) if retained else (0, 0))

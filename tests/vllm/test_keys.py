@@ -128,6 +128,8 @@ def refusal(model: Path, **extra: Any) -> str:
             "unknown key(s) 'evicton_policy'; did you mean 'eviction_policy'?",
         ),
         ({"transfer_backnd": "cpu"}, "did you mean 'transfer_backend'?"),
+        ({"hint_share": 1.5}, "['hint_share'] must be a fraction from 0 to 1, got 1.5"),
+        ({"hint_share": "0.5"}, "['hint_share'] must be a fraction from 0 to 1"),
         ({"metrics_host": "0.0.0.0"}, "['metrics_host'] is '0.0.0.0' but metrics_port is not set"),
         ({"metrics_port": 9100.5}, "['metrics_port'] must be a port from 0 to 65535"),
         ({"sync_load_budget_bytes": "lots"}, "['sync_load_budget_bytes'] must be a non-negative"),
@@ -185,6 +187,14 @@ def test_vllms_own_keys_pass_as_vllm_reads_them(model):
     engine.add(PROMPT)
     engine.run()
     assert engine.manager.tier.statistics().ready == 4  # 8 blocks of 16 tokens, 2 a chunk
+
+
+def test_hint_share_sets_the_share_of_the_cpu_tier_retention_hints_may_protect(model):
+    engine = build_engine(model, tiering_extra(64 << 20, hint_share=0.5))
+    hints = engine.manager.tier.hints.statistics()
+    assert hints.retained_limit == engine.manager.tier.statistics().capacity // 2
+    default = build_engine(model, tiering_extra(64 << 20)).manager.tier
+    assert default.hints.statistics().retained_limit == int(0.2 * default.statistics().capacity)
 
 
 def test_cpu_bytes_as_vllms_kv_offloading_size_writes_them_pass(model):

@@ -457,6 +457,27 @@ def test_a_load_writes_the_rows_and_fails_only_the_keys_redis_lacks(make_tier, r
     assert tier.statistics().redis.read_misses_total == 1
 
 
+RELEASE = {"version": 1, "release": True}
+
+
+def test_release_ttl_s_expires_the_values_a_released_request_writes(make_tier, redis_server):
+    """The entry's ``release_ttl_s`` reaches the tier: a store of a request whose hint
+    released its conversation writes values that expire within it; without a hint,
+    never."""
+    tier = make_tier(redis_server.url, namespace="release", release_ttl_s=30)
+    released = dataclasses.replace(
+        job(1, [KEY], [3]),
+        req_context=ReqContext(req_id="r", kv_transfer_params={"tiering": RELEASE}),
+    )
+    tier.submit_store(released)
+    plain_key = b"\x09" * 32 + b"\x00\x00\x00\x00"
+    tier.submit_store(job(2, [plain_key], [4]))
+    assert all(result.success for result in finished(tier))
+    client, codec = redis_server.client(), ChunkCodec(tier.namespace)
+    assert 0 < client.pttl(codec.remote_key(KEY)) <= 30_000
+    assert client.pttl(codec.remote_key(plain_key)) == -1  # no expiry
+
+
 def test_stores_past_the_bound_are_dropped_and_counted(make_tier, own_redis_server):
     tier = make_tier(own_redis_server.url, max_store_jobs=1, timeout_s=5.0)
     assert asked(tier, KEY) is LookupResult.MISS  # connected
@@ -524,6 +545,8 @@ def test_metrics_and_config_info_are_what_vllms_spec_declares(make_tier, redis_s
         ({"timeout_s": "2"}, "'timeout_s' must be a number of seconds"),
         ({"timeout_s": 0}, "timeout_s must be a positive number"),
         ({"ttl_s": 0.0}, "ttl_s must be None or at least"),
+        ({"release_ttl_s": 0}, "release_ttl_s must be None or at least 0.001 seconds, got 0"),
+        ({"release_ttl_s": "30"}, "'release_ttl_s' must be a number of seconds"),
         ({"backoff_s": [1, 0.5]}, "'backoff_s' must be [first, longest]"),
         ({"checksum": "md5"}, "'checksum' must be 'xxh3' or 'ml64'"),
         ({"locality": "NEAR"}, "'locality' must be 'REMOTE'"),

@@ -136,6 +136,28 @@ def test_a_prefix_evicted_from_the_cpu_tier_comes_back_on_every_rank(
         assert sorted(os.listdir(tmp_path / "disk")) == [f"rank{r}" for r in range(tp)]
 
 
+def test_a_prefix_found_in_the_cpu_tier_gets_the_requests_retention_on_every_ranks_tier(
+    model, tmp_path
+):
+    """The next turn, retained, finds its prefix in the CPU tier: each rank's disk tier
+    gets the retention for the values it holds (nothing is written again)."""
+    engine = make_engine(model, 2, [disk_entry(tmp_path / "disk", 2)])
+    try:
+        assert run(engine, PROMPT_A) == 0
+        engine.run()  # the write-throughs land
+        assert engine.scheduler.reset_prefix_cache()
+        before = engine.hit_tokens
+        engine.add(PROMPT_A, kv_transfer_params={"tiering": {"version": 1, "retain_s": 600}})
+        engine.run()
+        assert engine.hit_tokens - before == 256  # its 16 chunks, loaded from the CPU tier
+        (tier,) = engine.manager.link.tiers
+        assert all(rank.wait_idle(10) for rank in tier.ranks)
+        stats = [rank.statistics() for rank in tier.ranks]
+    finally:
+        close(engine)
+    assert [(s.hint_calls, s.disk.hinted_total) for s in stats] == [(1, 16), (1, 16)]
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_a_second_scheduler_on_the_same_redis_namespace_hits_what_the_first_stored(
     model, redis_server, tmp_path, tp

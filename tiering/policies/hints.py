@@ -431,7 +431,7 @@ class HintBook:
         retained = self._retained if self._follow[1] and self._retained else None
         if not releases and retained is None:
             victims = policy.evict(n, protected)
-            if victims and self.active:
+            if victims and (self.active or self._uses):  # the use counts go with them
                 self.forget(victims)
             return victims
         taken: list[OffloadKey] = []

@@ -67,6 +67,7 @@ _INFO_KEYS = ("disk_path", "disk_namespace", "disk_capacity_bytes")
 _Count = Annotated[int, Meta(ge=1, description="an integer of at least 1")]
 _Seconds = Annotated[float, Meta(gt=0, description="a number of seconds above 0")]
 _Text = Annotated[str, Meta(description="a string")]
+_Share = Annotated[float, Meta(ge=0, le=1, description="a fraction from 0 to 1")]
 
 
 class DiskEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -78,7 +79,9 @@ class DiskEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     operator's split of one folder's values); ``fsync`` (``none``, ``data`` or
     ``full``: what survives a power loss), ``direct_io`` (``null``: where the
     file system takes it and it helps), ``policy`` (what it evicts first: a
-    tiering policy's name), ``timeout_s`` (each call), ``max_concurrency``
+    tiering policy's name), ``hint_share`` (the share of the capacity values
+    retained by a hint may hold, spared from evictions: a fraction from 0 to
+    1), ``timeout_s`` (each call), ``max_concurrency``
     (worker threads), ``backoff_s`` (``[first, longest]`` retry delay while the
     folder is gone or writes are refused), ``checksum`` (``xxh3`` or
     ``ml64``), ``auth_key_file`` (a file holding a key: values are written with
@@ -97,6 +100,7 @@ class DiskEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     fsync: Annotated[str, Meta(description="'none', 'data' or 'full'")] = "none"
     direct_io: Annotated[bool | None, Meta(description="true, false or null")] = None
     policy: _Text | UnsetType = UNSET
+    hint_share: _Share | UnsetType = UNSET
     timeout_s: _Seconds | UnsetType = UNSET
     max_concurrency: _Count | UnsetType = UNSET
     backoff_s: (
@@ -148,7 +152,7 @@ def disk_options(tier_type: str, entry: Mapping[str, Any]) -> tuple[DiskEntry, d
         "checksum": Checksum[keys.checksum.upper()],
         "file_mode": keys.file_mode,
     }
-    for key in ("policy", "timeout_s", "max_concurrency", "backoff_s"):
+    for key in ("policy", "hint_share", "timeout_s", "max_concurrency", "backoff_s"):
         if getattr(keys, key) is not UNSET:
             options[key] = getattr(keys, key)
     options["auth_key"] = entry_auth_key(where, keys.auth_key_file)

@@ -30,6 +30,7 @@ from tiering.config import DEFAULT_POLICY
 from tiering.errors import ConfigError
 from tiering.integrations.vllm.config import extra_int
 from tiering.policies import POLICY_NAMES
+from tiering.policies.hints import DEFAULT_HINT_SHARE
 from tiering.secondary.auth import AuthKey
 from tiering.secondary.base import Locality
 from tiering.secondary.codec import RemoteNamespace
@@ -64,7 +65,9 @@ class RedisEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     ``url_env`` (the name of an environment variable holding the URL) or ``url``
     (``redis://`` or ``rediss://``, as `RedisTier` takes it), ``password_file``
     (the password, read from a file's first line, for a URL that holds none),
-    ``namespace`` (an operator's split of one store), ``ttl_s``, ``timeout_s``,
+    ``namespace`` (an operator's split of one store), ``ttl_s``, ``release_ttl_s``
+    (how soon a value a hint released expires; None: a release changes
+    nothing), ``timeout_s``,
     ``connect_timeout_s``, ``cluster``, ``max_batch``, ``max_concurrency``,
     ``backoff_s`` (``[first, longest]``), ``checksum`` (``xxh3`` or ``ml64``),
     ``auth_key_file`` (a file holding the secret shared by every engine of the
@@ -86,6 +89,7 @@ class RedisEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     password_file: Annotated[str | None, Meta(description="a string")] = None
     namespace: Annotated[str, Meta(description="a string (an operator's split of one store)")] = ""
     ttl_s: _SecondsOrNone = None
+    release_ttl_s: _SecondsOrNone = None
     timeout_s: _SecondsOrNone = None
     connect_timeout_s: _SecondsOrNone = None
     max_batch: _Count | UnsetType = UNSET
@@ -139,7 +143,7 @@ def redis_options(tier_type: str, entry: Mapping[str, Any]) -> RedisEntryOptions
     url, password_in_entry = _url(where, keys)
     redis: dict[str, Any] = {
         key: getattr(keys, key)
-        for key in ("ttl_s", "timeout_s", "connect_timeout_s")
+        for key in ("ttl_s", "release_ttl_s", "timeout_s", "connect_timeout_s")
         if getattr(keys, key) is not None
     }
     for key in ("max_batch", "max_concurrency", "cluster", "backoff_s", "checksum"):
@@ -238,7 +242,9 @@ class TieringSpecKeys(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
 
     tiering's own keys: ``eviction_policy`` (one of `POLICY_NAMES`; vLLM's
     ``CPUOffloadingSpec`` reads the same key as the name of one of *its*
-    policies), ``transfer_backend``, ``metrics_port`` and ``metrics_host``.
+    policies), ``hint_share`` (the share of the CPU tier that chunks retained by
+    requests' hints may hold, protected: a fraction from 0 to 1, 0.2 by
+    default), ``transfer_backend``, ``metrics_port`` and ``metrics_host``.
     vLLM's own keys (`tiering.extra_config.VLLM_EXTRA_KEYS`) are typed as vLLM
     reads them: an integer is an int or a string of one (vLLM's ``int()``; a
     float, which vLLM would cut, is refused, but for ``cpu_bytes_to_use``, which
@@ -253,6 +259,9 @@ class TieringSpecKeys(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
 
     # tiering's own
     eviction_policy: Annotated[str, Meta(description=_POLICIES)] = DEFAULT_POLICY
+    hint_share: Annotated[float, Meta(ge=0, le=1, description="a fraction from 0 to 1")] = (
+        DEFAULT_HINT_SHARE
+    )
     transfer_backend: Annotated[str, Meta(description="'auto', 'cpu' or 'cuda'")] = "auto"
     metrics_port: Annotated[int, Meta(ge=0, le=65535, description=_PORT)] | None = None
     metrics_host: Annotated[str, Meta(min_length=1, description="a host address")] | (

@@ -39,7 +39,11 @@ manager, so the tiering manager is never entered from another thread:
   chunks carry its hint, so other promotions and stores do not evict them
   (within the hints' share of the tier) before it is scheduled and loads them.
   The chunks of a request's write-throughs carry its hint to the tiers below
-  (`tiering.integrations.vllm.polled`).
+  (`tiering.integrations.vllm.polled`); the prefix it found in the CPU tier is
+  never written again, so its values below get a retention when it ends
+  (`hint_below`: a Redis TTL raised, the disk tier's values spared). Not a
+  release: that prefix may be shared with other conversations (a system
+  prompt), and the tiers below cannot tell (a Redis TTL lowered for all).
 - **Resets.** `reset` waits for the tiers' jobs in flight (each ends within
   its timeout): their rows are about to be handed out again (so what a
   promotion it settles gave is not written up: no job may read them). Until vLLM's
@@ -96,7 +100,8 @@ from tiering.cpu.flows import (
 from tiering.cpu.manager import CPUOffloadingManager
 from tiering.errors import ConfigError
 from tiering.hints import MAX_PRIORITY, Hint
-from tiering.integrations.vllm.polled import LOSS_REPORT_S, LossReport
+from tiering.integrations.vllm.polled import LOSS_REPORT_S, LossReport, PolledSecondaryTier
+from tiering.integrations.vllm.ranks import RankedTier
 
 __all__ = ["CascadeMetrics", "SecondaryLink", "tier_label"]
 
@@ -364,6 +369,15 @@ class SecondaryLink:
             self._promote(keys, sources, req_context, held.get(req_context.req_id, ()))
         for tier in self.tiers:
             tier.on_schedule_end(context)
+
+    def hint_below(self, keys: Sequence[OffloadKey], hint: Hint) -> None:
+        """A request's retention ``hint`` for the values of ``keys`` (the chunks it loaded
+        from the CPU tier) that the tiers below hold: one call each, not waited for."""
+        if not keys or hint.empty:
+            return
+        for tier in self.tiers:
+            if isinstance(tier, PolledSecondaryTier | RankedTier):
+                tier.submit_hint(keys, hint)
 
     def _rank(self, promotion: tuple[ReqContext, list[OffloadKey], list[int]]) -> int:
         """The order of a request's promotion in a step (a stable sort: lookup order

@@ -83,7 +83,7 @@ from tiering.hints import Hint, HintCounts
 from tiering.integrations.vllm.link import SecondaryLink
 from tiering.integrations.vllm.request_hints import RequestHints
 from tiering.policies import CachePolicy
-from tiering.policies.hints import HintStatistics
+from tiering.policies.hints import DEFAULT_HINT_SHARE, HintStatistics
 
 __all__ = ["TieringMetrics", "TieringOffloadingManager"]
 
@@ -122,6 +122,8 @@ class _RequestKeys:
     owner: object
     generation: int
     keys: dict[OffloadKey, None] = field(default_factory=dict)
+    #: Of ``keys``: those it loaded from the CPU tier (its hint goes to their values below).
+    loaded: set[OffloadKey] = field(default_factory=set)
     finished: bool = False
 
 
@@ -129,7 +131,8 @@ class TieringOffloadingManager(OffloadingManager):
     """vLLM's ``OffloadingManager`` over a tiering `CPUOffloadingManager` of ``num_chunks``.
 
     ``policy`` is a tiering `CachePolicy` or a policy name
-    (`tiering.policies.POLICY_NAMES`). ``config_info`` is the one series of
+    (`tiering.policies.POLICY_NAMES`); ``hint_share`` the share of the tier requests'
+    retention hints may protect. ``config_info`` is the one series of
     vLLM's ``kv_offload_config_info`` this tier reports.
     """
 
@@ -138,6 +141,7 @@ class TieringOffloadingManager(OffloadingManager):
         num_chunks: int,
         policy: CachePolicy | str,
         *,
+        hint_share: float = DEFAULT_HINT_SHARE,
         enable_events: bool = False,
         self_describing_events: bool = False,
         config_info: ConfigInfoMapping | None = None,
@@ -146,7 +150,9 @@ class TieringOffloadingManager(OffloadingManager):
         on_shutdown: Callable[[], object] | None = None,
     ) -> None:
         self.medium = Medium.CPU
-        self._tier = CPUOffloadingManager(num_chunks, policy, enable_events=enable_events)
+        self._tier = CPUOffloadingManager(
+            num_chunks, policy, enable_events=enable_events, hint_share=hint_share
+        )
         self._enable_events = enable_events
         # vLLM forgets the self-describing payloads of every chunk at a reset (before it
         # takes this reset's events), so it could only announce a removal of one hash
@@ -231,7 +237,10 @@ class TieringOffloadingManager(OffloadingManager):
             keys = [keys[i] for i in order]
         # Only what the tier still holds: the policy reads the last key as the request's tail.
         held = [key for key in keys if self._tier.holds(key)]
-        self._tier.touch(held, self.hint_of(req_context))
+        hint = self.hint_of(req_context)
+        self._tier.touch(held, hint)
+        if hint is not None and hint.retains and self.link is not None:  # not written again
+            self.link.hint_below([key for key in keys if key in state.loaded], hint)
 
     # -- the tier ---------------------------------------------------------------
 
@@ -253,6 +262,8 @@ class TieringOffloadingManager(OffloadingManager):
         keys = tuple(keys)
         spec = self._tier.prepare_load(keys)
         self._observe(keys, req_context)
+        if self.link is not None:
+            self._request(req_context).loaded.update(keys)
         return VllmCPULoadStoreSpec(spec.block_ids.tolist())
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:

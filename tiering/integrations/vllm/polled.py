@@ -29,13 +29,16 @@ What vLLM's calls become:
   asked in one step and answered by the next. Until the tier has started (the
   disk tier scans its folder) lookups stay queued and answer ``RETRY``. At
   most ``max_lookups_in_flight`` keys are queued or asked at once; past that a
-  lookup answers ``RETRY`` without asking (counted, ``deferred``).
+  lookup answers ``RETRY`` without asking (counted, ``deferred``); the checks
+  are kept by `tiering.integrations.vllm.polled_lookups.Lookups`.
 - `submit_store` writes the job's rows straight from ``primary_kv_view``
   (vLLM pins them until the job is reported finished). At most
   ``max_store_jobs`` stores run at once; past that a store is failed at once
   and its chunks counted as dropped (``queue full``): the CPU tier keeps them.
-  A request's retention hint (a `tiering.hints.Hint` in its context's state,
-  set by `TieringSpec`'s manager) goes with its chunks (``write_hinted``).
+  A request's retention hint (`RequestHints.given`: as `TieringSpec`'s manager
+  or a tiering policy read it, else read here) goes with its chunks
+  (``write_hinted``);
+  `submit_hint` hands one to values the tier holds already (``hint``).
 - `submit_load` reads each value straight into its row of ``primary_kv_view``;
   a value that is missing or fails a check fails that key only
   (``JobResult.successful_keys``), and the key's lookup turns to a miss so the
@@ -59,7 +62,7 @@ import contextlib
 import logging
 import queue
 import time
-from collections.abc import Awaitable, Callable, Collection, Iterable
+from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
 from typing import Any, ClassVar, TypeVar
 
 import anyio.from_thread
@@ -83,6 +86,8 @@ from tiering.errors import ConfigError
 from tiering.hints import Hint
 from tiering.integrations.vllm.handoff import Handoff
 from tiering.integrations.vllm.logs import adopt_vllm_logging
+from tiering.integrations.vllm.polled_lookups import Batch, Lookups
+from tiering.integrations.vllm.request_hints import RequestHints
 from tiering.integrations.vllm.tier_report import (
     ADAPTER_COUNTS,
     FAILURES,
@@ -126,17 +131,6 @@ class TierSetup(msgspec.Struct, frozen=True, kw_only=True):
     unusable: str | None = None
 
 
-class _Lookup:
-    """One key's existence check; ``found`` is ``None`` until the tier answered."""
-
-    __slots__ = ("found", "requests", "sent")
-
-    def __init__(self) -> None:
-        self.found: bool | None = None
-        self.sent = False
-        self.requests: set[str] = set()
-
-
 class PolledSecondaryTier(SecondaryTierManager):
     """A vLLM ``SecondaryTierManager`` over a tiering `SecondaryTier` (see the module
     docstring). Built by vLLM's ``SecondaryTierFactory`` with its keyword arguments; a
@@ -164,7 +158,6 @@ class PolledSecondaryTier(SecondaryTierManager):
         adopt_vllm_logging()
         setup = self._setup(offloading_spec, tier_type, entry)
         self.locality = setup.locality
-        self._max_lookups = setup.max_lookups_in_flight
         self._max_store_jobs = setup.max_store_jobs
         events_on = bool(offloading_spec.kv_events_config.enable_kv_cache_events)
         if setup.enable_kv_events and not events_on:
@@ -182,21 +175,18 @@ class PolledSecondaryTier(SecondaryTierManager):
         # Rows as bytes: chunk c is self._rows[c * row : (c + 1) * row].
         self._rows = primary_kv_view.cast("B")
         self._row_bytes = self.block_size_bytes
-        self._lookups: dict[OffloadKey, _Lookup] = {}
-        self._queued: list[tuple[OffloadKey, _Lookup]] = []
-        self._asked = 0  # keys sent to the tier and not answered yet
-        self._request_keys: dict[str, set[OffloadKey]] = {}
+        self._lookups = Lookups(setup.max_lookups_in_flight)
         self._jobs: dict[int, concurrent.futures.Future[None]] = {}
         self._store_jobs: dict[int, list[OffloadKey]] = {}  # in flight
         self._load_jobs: dict[int, list[OffloadKey]] = {}  # in flight
         self._lookup_calls: set[concurrent.futures.Future[None]] = set()
+        self._hint_calls: set[concurrent.futures.Future[None]] = set()
+        #: The requests' hints, where no component above read them (`RequestHints.given`).
+        self.request_hints = RequestHints(logger.warning)
         self._counts = dict.fromkeys(ADAPTER_COUNTS, 0)
         self._dropped: dict[str, int] = {}  # chunks failed at submit, by reason
         # Loop thread -> scheduler side:
         self._finished: queue.SimpleQueue[JobResult] = queue.SimpleQueue()
-        self._answers: queue.SimpleQueue[tuple[list[tuple[OffloadKey, _Lookup]], list[bool]]] = (
-            queue.SimpleQueue()
-        )
         self._late_drops = 0  # chunks of stores the tier took before it proved unusable
         self._unexpected = 0  # calls that raised (a bug in the tier), counted as failures
         self._last_unexpected: str | None = None
@@ -283,65 +273,31 @@ class PolledSecondaryTier(SecondaryTierManager):
     def lookup(self, key: OffloadKey, req_context: Any) -> LookupResult:
         if not self._life.is_open or self.unusable is not None:
             return LookupResult.MISS
-        self._take_answers()
-        state = self._lookups.get(key)
-        if state is None:
-            if len(self._queued) + self._asked >= self._max_lookups:
-                self._counts["lookups_deferred"] += 1
-                return LookupResult.RETRY
-            state = self._lookups[key] = _Lookup()
-            self._queued.append((key, state))
-        req_id = req_context.req_id
-        state.requests.add(req_id)
-        self._request_keys.setdefault(req_id, set()).add(key)
-        if state.found is None:
+        answer = self._lookups.lookup(key, req_context.req_id)
+        if answer is None:
+            self._counts["lookups_deferred"] += 1
             return LookupResult.RETRY
-        return LookupResult.HIT if state.found else LookupResult.MISS
+        return answer
 
     def on_schedule_end(self, context: Any) -> None:
         """Send this step's new lookups to the tier as one call (once it has started)."""
-        self._take_answers()
-        if not self._queued or not self._life.is_open:
+        if not self._life.is_open:
             return
-        batch = [(k, s) for k, s in self._queued if self._lookups.get(k) is s]
-        self._queued = []
+        batch = self._lookups.take_batch()
         if not batch or self.unusable is not None:
             return
-        for _, state in batch:
-            state.sent = True
-        self._asked += len(batch)
+        self._lookups.sent(batch)
         call = self._handoff.submit(self._contains, batch)
         self._lookup_calls.add(call)
         call.add_done_callback(self._lookup_calls.discard)
 
-    async def _contains(self, batch: list[tuple[OffloadKey, _Lookup]]) -> None:
+    async def _contains(self, batch: Batch) -> None:
         keys = [key for key, _ in batch]
         found = await self._guarded("lookup", lambda t: t.contains(keys), [False] * len(batch))
-        self._answers.put((batch, found))
-
-    def _take_answers(self) -> None:
-        while True:
-            try:
-                batch, found = self._answers.get_nowait()
-            except queue.Empty:
-                return
-            self._asked -= len(batch)
-            for (key, state), hit in zip(batch, found, strict=True):
-                if self._lookups.get(key) is not state:
-                    continue  # forgotten meanwhile
-                if not state.requests:
-                    del self._lookups[key]
-                else:
-                    state.found = hit
+        self._lookups.answered(batch, found)
 
     def on_request_finished(self, req_context: Any) -> None:
-        for key in self._request_keys.pop(req_context.req_id, ()):
-            state = self._lookups.get(key)
-            if state is None:
-                continue
-            state.requests.discard(req_context.req_id)
-            if not state.requests and (state.found is not None or not state.sent):
-                del self._lookups[key]  # an asked one goes when its answer comes
+        self._lookups.finished(req_context.req_id)
 
     def on_new_request(self, req_context: Any) -> RequestOffloadingContext:
         return RequestOffloadingContext()
@@ -380,7 +336,8 @@ class PolledSecondaryTier(SecondaryTierManager):
             self._dropped[reason] = self._dropped.get(reason, 0) + len(keys)
             self._finished.put(JobResult(job_id=job_id, success=False))
             return
-        hint = job_metadata.req_context.get_state(Hint) if job_metadata.req_context else None
+        context = job_metadata.req_context
+        hint = self.request_hints.given(context) if context is not None else None
         self._start(self._store_jobs, job_metadata, lambda j, r: self._store(j, r, hint))
 
     async def _store(self, job_id: int, items: list[Any], hint: Hint | None) -> None:
@@ -405,6 +362,24 @@ class PolledSecondaryTier(SecondaryTierManager):
             self._finished.put(JobResult(job_id=job_id, success=False))
             return
         self._start(self._load_jobs, job_metadata, self._load)
+
+    def submit_hint(self, keys: Sequence[OffloadKey], hint: Hint) -> None:
+        """Apply a request's retention ``hint`` to the values of ``keys`` the tier holds
+        (a request's prefix found in the CPU tier is not written again, so its values
+        here would never get its hint): one call on the tier's loop, not waited for; at
+        most ``max_store_jobs`` at once, past that dropped and counted."""
+        if not keys or not self._life.is_open or self.unusable is not None:
+            return
+        if len(self._hint_calls) >= self._max_store_jobs:
+            self._counts["hints_dropped"] += 1
+            return
+        self._counts["hint_calls"] += 1
+        call = self._handoff.submit(self._hint, list(keys), hint)
+        self._hint_calls.add(call)
+        call.add_done_callback(self._hint_calls.discard)
+
+    async def _hint(self, keys: list[OffloadKey], hint: Hint) -> None:
+        await self._guarded("hint", lambda t: t.hint(keys, hint), 0)
 
     async def _load(self, job_id: int, items: list[tuple[OffloadKey, memoryview]]) -> None:
         started = time.monotonic()
@@ -444,12 +419,12 @@ class PolledSecondaryTier(SecondaryTierManager):
             self._latest = self._snapshot()
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
-        if self._finished.empty() and (self._jobs or self._asked):
+        if self._finished.empty() and (self._jobs or self._lookups.asked):
             # Work is on the loop's thread and nothing came back: let that thread have
             # the GIL now (a scheduler stepping without a model's forward would hold it
             # for the interpreter's switch interval). Once a step, never a wait for it.
             time.sleep(0)
-        self._take_answers()
+        self._lookups.take_answers()
         results: list[JobResult] = []
         while True:
             try:
@@ -482,12 +457,10 @@ class PolledSecondaryTier(SecondaryTierManager):
             if key in done:
                 continue
             self._counts["keys_not_loaded"] += 1
-            state = self._lookups.get(key)
-            if state is not None and state.found is not None:
-                state.found = False
+            self._lookups.missing(key)
 
     def has_pending_work(self) -> bool:
-        return bool(self._jobs or self._queued or self._asked or not self._finished.empty())
+        return bool(self._jobs or self._lookups.in_flight or not self._finished.empty())
 
     def drain_jobs(self) -> None:
         """Wait until every submitted job has ended (each ends within the tier's timeout)."""
@@ -500,7 +473,7 @@ class PolledSecondaryTier(SecondaryTierManager):
         Not a vLLM call: for a caller that must know the tier's loop is quiet
         (a test, a drain before a reset that also wants the lookups answered).
         """
-        calls = [*self._jobs.values(), *self._lookup_calls]
+        calls = [*self._jobs.values(), *self._lookup_calls, *self._hint_calls]
         if self._start_call is not None:
             calls.append(self._start_call)
         _, running = concurrent.futures.wait(calls, timeout=timeout_s)
@@ -518,7 +491,7 @@ class PolledSecondaryTier(SecondaryTierManager):
         """The adapter's counts, as `PolledTierStatistics`' fields."""
         return {
             "state": self._life.state.value,
-            "lookups_in_flight": len(self._queued) + self._asked,
+            "lookups_in_flight": self._lookups.in_flight,
             "jobs_in_flight": len(self._jobs),
             "unexpected_errors": self._unexpected,
             "last_unexpected_error": self._last_unexpected,
@@ -573,7 +546,7 @@ class PolledSecondaryTier(SecondaryTierManager):
         if self._start_call is not None:
             self._start_call.cancel()  # a scan of a large folder: calls waiting for it miss
         try:
-            concurrent.futures.wait([*self._jobs.values(), *self._lookup_calls])
+            concurrent.futures.wait([*self._jobs.values(), *self._lookup_calls, *self._hint_calls])
             if self._tier is not None:
                 self._portal.call(self._close_tier)
         finally:
@@ -581,7 +554,7 @@ class PolledSecondaryTier(SecondaryTierManager):
             self._stack.close()  # stops the loop and joins its thread
             self._rows.release()
             self._life.end_close()
-        self._take_answers()
+        self._lookups.take_answers()
 
     async def _close_tier(self) -> None:
         assert self._tier is not None
@@ -593,7 +566,7 @@ class PolledSecondaryTier(SecondaryTierManager):
         health = "unusable" if self.unusable is not None else s.state
         return (
             f"<{type(self).__name__} [{self._life.state.value}, {self.store} {health}; "
-            f"{self._where()}; {len(self._jobs)} jobs, {len(self._queued) + self._asked} "
+            f"{self._where()}; {len(self._jobs)} jobs, {self._lookups.in_flight} "
             f"lookups in flight; {s.errors_total} failed calls, {s.rejected_total} rejected "
             "values]>"
         )

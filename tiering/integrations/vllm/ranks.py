@@ -70,6 +70,8 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from tiering.errors import ConfigError
+from tiering.hints import Hint
+from tiering.integrations.vllm.polled import PolledSecondaryTier
 
 __all__ = ["RankedTier", "building_rank"]
 
@@ -216,6 +218,12 @@ class RankedTier(SecondaryTierManager):
         self._jobs[job_metadata.job_id] = _Job(job_metadata.keys, len(self.ranks), store=False)
         for tier in self.ranks:
             tier.submit_load(job_metadata)
+
+    def submit_hint(self, keys: Sequence[OffloadKey], hint: Hint) -> None:
+        """A request's retention ``hint`` for the values of ``keys``: every rank's."""
+        for tier in self.ranks:
+            if isinstance(tier, PolledSecondaryTier):
+                tier.submit_hint(keys, hint)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         for tier in self.ranks:

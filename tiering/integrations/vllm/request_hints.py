@@ -8,8 +8,9 @@ hint the first time it is asked (`tiering.hints.HintReader`: never raises; a
 fault is counted and said once per kind through ``warn``) and keeps the result
 in that scratch space, so later calls for the request cost a dict lookup. A
 hint that says something (a retention or a release) is also kept there as the
-`tiering.hints.Hint` itself, where the tiers below read it when they write the
-request's chunks (`tiering.integrations.vllm.polled`).
+`tiering.hints.Hint` itself. The tiers below take it as read by the first
+component that did (`RequestHints.given`), and read it themselves under vLLM's own
+manager and policy, which read no hint (`tiering.integrations.vllm.polled`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,13 @@ class RequestHints:
             if hint is not None and not hint.empty:  # for the tiers below (their writes)
                 req_context.set_state(hint)
         return state.hint
+
+    def given(self, req_context: Any) -> Hint | None:
+        """The request's hint as whichever component read it first (`TieringSpec`'s
+        manager, or a tiering policy under vLLM's own manager) read it; read here if
+        none did (under vLLM's own spec and policy), so it is counted and said once."""
+        state: _Read | None = req_context.get_state(_Read)
+        return self.of(req_context) if state is None else state.hint
 
     @property
     def counts(self) -> HintCounts:

@@ -32,6 +32,8 @@ in vLLM's log naming the spec that reads them (under this one they do nothing):
 ==============================  ==================================================
 ``cpu_bytes_to_use``            host bytes of the CPU tier, over all workers (required)
 ``eviction_policy``             ``dslru`` (default), ``aslru``, ``arc`` or ``lru``
+``hint_share``                  the share of the CPU tier requests' retention hints
+                                may protect (0 to 1; 0.2 by default)
 ``transfer_backend``            ``auto`` (default: ``cuda`` on a GPU, else ``cpu``),
                                 ``cpu`` or ``cuda``
 ``block_size`` /
@@ -339,6 +341,7 @@ class TieringSpec(OffloadingSpec):
             self._manager = TieringOffloadingManager(
                 self.num_chunks,
                 self.policy,
+                hint_share=self.keys.hint_share,
                 enable_events=self.kv_events_config.enable_kv_cache_events,
                 self_describing_events=self.kv_events_config.self_describing_kv_events,
                 config_info=self.info.as_config_info(),

@@ -46,7 +46,9 @@ class PolledTierStatistics(msgspec.Struct, frozen=True, kw_only=True):
     ``store_jobs_dropped`` (and ``chunks_dropped``) were failed at submit
     (``max_store_jobs`` reached, the tier unusable or closed);
     ``lookups_deferred`` were answered ``RETRY`` without asking
-    (``max_lookups_in_flight`` reached).
+    (``max_lookups_in_flight`` reached); ``hint_calls`` handed requests' retention
+    hints to the tier for values it already held (``hints_dropped``: not handed,
+    as ``max_store_jobs`` of them were in flight; the values keep their old hint).
     """
 
     state: str
@@ -58,6 +60,8 @@ class PolledTierStatistics(msgspec.Struct, frozen=True, kw_only=True):
     load_jobs_failed: int
     keys_not_loaded: int
     lookups_deferred: int
+    hint_calls: int
+    hints_dropped: int
     unexpected_errors: int
     last_unexpected_error: str | None
     lookups_in_flight: int
@@ -68,6 +72,7 @@ class PolledTierStatistics(msgspec.Struct, frozen=True, kw_only=True):
 ADAPTER_COUNTS = (
     *("store_jobs", "store_jobs_failed", "store_jobs_dropped", "chunks_dropped"),
     *("load_jobs", "load_jobs_failed", "keys_not_loaded", "lookups_deferred"),
+    *("hint_calls", "hints_dropped"),
 )
 
 
