@@ -299,6 +299,11 @@ class HintBook:
         return self._follow[0] or self._follow[1]
 
     @property
+    def following_retentions(self) -> bool:
+        """Whether retentions are followed now (others may rank retained work first)."""
+        return self._follow[1]
+
+    @property
     def active(self) -> bool:
         """Whether any key is released or retained (else `evict` is the policy's own)."""
         return bool(self._released) or bool(self._retained)

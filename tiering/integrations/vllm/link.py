@@ -381,9 +381,10 @@ class SecondaryLink:
 
     def _rank(self, promotion: tuple[ReqContext, list[OffloadKey], list[int]]) -> int:
         """The order of a request's promotion in a step (a stable sort: lookup order
-        otherwise): retained requests first, the higher priority first."""
+        otherwise): retained requests first, the higher priority first, while the CPU
+        tier follows retentions (not once it measured them wrong)."""
         hint = self._hint_of(promotion[0])
-        if hint is None or not hint.retains:
+        if hint is None or not hint.retains or not self._cpu.hints.following_retentions:
             return 0
         return -(MAX_PRIORITY + 1 + hint.priority)  # from -1 (lowest) to -201
 
