@@ -32,7 +32,6 @@ scheduler step by `HintReader`, which logs each kind of fault once.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Annotated, Any
 
@@ -90,15 +89,6 @@ class Hint(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
         return self.retain_s is None and not self.release
 
 
-class _Payload(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """A ``kv_transfer_params`` entry: the hint and the vocabulary's version."""
-
-    version: int
-    retain_s: Annotated[float, msgspec.Meta(gt=0, le=MAX_RETAIN_S)] | None = None
-    release: bool = False
-    priority: Annotated[int, msgspec.Meta(ge=-MAX_PRIORITY, le=MAX_PRIORITY)] = 0
-
-
 _RIGHT = (
     f"a hint is a JSON object of retain_s (seconds, > 0 and <= {MAX_RETAIN_S:g}) or "
     f"release (true), and priority (an integer from -{MAX_PRIORITY} to {MAX_PRIORITY})"
@@ -114,8 +104,6 @@ def _decode(value: object, into: type[Any], where: str) -> Any:
         if field != text and isinstance(value, Mapping) and field in value:
             text = f"{text} (got {value[field]!r})"
         raise HintError(f"{where}: {text}; {_RIGHT}") from None
-    if out.retain_s is not None and not math.isfinite(out.retain_s):  # pragma: no cover
-        raise HintError(f"{where}: retain_s must be finite, got {out.retain_s!r}; {_RIGHT}")
     if out.retain_s is not None and out.release:
         raise HintError(
             f"{where}: a hint holds retain_s or release, not both "
@@ -164,8 +152,7 @@ def transfer_params_hint(params: object) -> Hint | None:
         raise HintError(f"{where} needs a version, the integer {HINTS_VERSION}; got {version!r}")
     if version != HINTS_VERSION:
         raise UnknownVersion(version)
-    payload = _decode(entry, _Payload, where)
-    return Hint(retain_s=payload.retain_s, release=payload.release, priority=payload.priority)
+    return payload_hint({k: v for k, v in entry.items() if k != "version"}, where)
 
 
 def action_hint(action_type: object, action_version: object, payload: object) -> Hint | None:

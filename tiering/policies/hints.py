@@ -57,6 +57,7 @@ import heapq
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Container, Sequence
+from itertools import chain, filterfalse, islice
 
 import msgspec
 
@@ -436,19 +437,15 @@ class HintBook:
         retained = self._retained if self._follow[1] and self._retained else None
         if not releases and retained is None:
             victims = policy.evict(n, protected)
-            if victims and (self.active or self._uses):  # the use counts go with them
+            if victims and self.engaged:  # their hints and use counts go with them
                 self.forget(victims)
             return victims
         taken: list[OffloadKey] = []
-        if releases:
-            for bucket in self._released.ordered():
-                for key in bucket:
-                    if key not in protected:
-                        taken.append(key)
-                        if len(taken) == n:
-                            break
-                if len(taken) == n:
-                    break
+        if releases:  # the lowest priority first, then the oldest release
+            spare = filterfalse(
+                protected.__contains__, chain.from_iterable(self._released.ordered())
+            )
+            taken = list(islice(spare, n))
         chosen: list[OffloadKey] | None = []
         rest = n - len(taken)
         if rest:
@@ -486,17 +483,14 @@ class HintBook:
         self._follow = [True, True]
         self.engaged = False
 
-    def _live_retained(self) -> int:
-        self._expire()
-        return len(self._retained)
-
     def statistics(self) -> HintStatistics:
+        self._expire()  # what is retained now
         accuracy = self._accuracy
         released_rate = accuracy.rates(_RELEASED)[2]
         retained_rate = accuracy.rates(_RETAINED)[2]
         plain_rate = accuracy.rates(_PLAIN)[2]
         return HintStatistics(
-            retained=self._live_retained(),
+            retained=len(self._retained),
             retained_limit=self._limit,
             released=len(self._released),
             following_releases=self._follow[0],
