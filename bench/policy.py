@@ -66,7 +66,7 @@ from tiering.hints import Hint
 from tiering.policies import POLICY_NAMES
 from tiering.sim import OPTIMAL, SimulationResult, requests_to_keys, simulate_keys
 from tiering.workload import CAPACITY_TOKENS, Request, load_workload, read_trace
-from tiering.workload.hints import workload_hints
+from tiering.workload.hints import arrival_times_s, continuation_hints
 
 DEFAULT_TRACE = (
     Path(__file__).resolve().parents[1].parent / "shared/traces/conversation_trace.jsonl"
@@ -144,14 +144,10 @@ def _hints(workload: Workload, row: str) -> tuple[list[Hint | None], list[float]
     requests' arrivals in seconds, once per process."""
     requests = _requests(workload)
     error = HINT_ROWS[row]
-    name = None if workload.trace is not None else workload.name
     hints: list[Hint | None] = [None] * len(requests)
     if error is not None:
-        hints = list(
-            workload_hints(requests, "continuation", error=error, seed=HINT_SEED, workload=name)
-            or ()
-        )
-    return hints, [r.timestamp / 1000.0 for r in requests]
+        hints = list(continuation_hints(requests, error=error, seed=HINT_SEED))
+    return hints, arrival_times_s(requests)
 
 
 def simulate_job(job: Job) -> SimulationResult:

@@ -10,7 +10,7 @@ from types import ModuleType
 import pytest
 
 from tiering.policies import POLICY_NAMES
-from tiering.sim import OPTIMAL
+from tiering.sim import OPTIMAL, SimulationResult
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "policy.py"
 
@@ -122,3 +122,64 @@ def test_a_serial_run_fills_every_row_and_its_json() -> None:
         assert record["ratio_to_lru"]["lru"] in (1.0, None)
         for field in ("hit_rate", "ratio_to_lru", "gap_share", "keys_per_s"):
             assert set(record[field]) == {*POLICY_NAMES, OPTIMAL}
+
+
+# -- the hints table ---------------------------------------------------------------
+
+
+def made_up(hit_blocks: int, blocks: int = 1000, evictions: int = 0) -> SimulationResult:
+    return SimulationResult.of(policy="dslru", capacity_tokens=512, capacity_chunks=1,
+                               requests=1, blocks=blocks, hit_blocks=hit_blocks,
+                               store_failures=0, evictions=evictions, seconds=1.0)  # fmt: skip
+
+
+def tables(
+    rates: dict[str, int], none: int = 100
+) -> tuple[dict[str, dict[int, dict[str, SimulationResult]]], ...]:
+    """A trace table hitting 100 blocks of 1,000 without hints at every capacity, and its
+    hinted rows hitting ``rates`` (``none`` for the row without hints)."""
+    plain = {"trace": {c: {"dslru": made_up(100)} for c in bench.HINT_TRACE_CAPACITIES}}
+    hinted = {
+        "trace": {
+            c: {**{row: made_up(rates[row]) for row in rates}, "none": made_up(none)}
+            for c in bench.HINT_TRACE_CAPACITIES
+        }
+    }
+    return hinted, plain
+
+
+def test_bench_hint_targets_held_report_nothing_and_misses_are_named() -> None:
+    assert bench.DEFAULT_POLICY == "dslru"  # the made-up rows' policy
+    held = {"exact": 145, "20% wrong": 120, "50% wrong": 98}
+    assert bench.check_hint_targets(*tables(held)) == []
+    missed = bench.check_hint_targets(*tables({**held, "exact": 144, "50% wrong": 97}))
+    assert len(missed) == 4  # exact at 3M, 50 % wrong at each of three capacities
+    assert missed[0] == (
+        "trace at 3,000,000 tokens: hints exact hit 14.40%, 1.440x dslru without hints "
+        "(10.00%) < 1.45x"
+    )
+    (differs,) = bench.check_hint_targets(*tables(held, none=101))[:1]
+    assert "without hints hits 101 blocks and evicts 0 chunks, 100 and 0 without it" in differs
+    hinted, plain = tables(held)  # "none" is exactly no hints: its evictions too
+    hinted["trace"][3_000_000]["none"] = made_up(100, evictions=1)
+    (differs,) = bench.check_hint_targets(hinted, plain)
+    assert differs.startswith("trace at 3,000,000 tokens: dslru through the hinted path")
+    assert "evicts 1 chunks, 100 and 0 without it" in differs
+
+
+def test_bench_hints_table_runs_every_row_serially() -> None:
+    workload = bench.Workload(name="chat", capacities=(25_600, 51_200, 102_400), requests=300)
+    (hinted,) = bench.hint_workloads([workload])
+    assert hinted.capacities == (25_600, 102_400)  # the registry's chat capacities run
+    table = bench.run_hints([hinted], jobs=1)
+    plain = bench.run([hinted], jobs=1)
+    assert bench.check_hint_targets(table, plain) == []  # none == no hints, exactly
+    for row in table["chat"].values():
+        assert list(row) == list(bench.HINT_ROWS)
+        assert (row["20% wrong"].hints, row["20% wrong"].hint_error) == ("continuation", 0.2)
+    text = bench.hint_rows("chat", table["chat"], plain["chat"], as_json=False)
+    assert [line.split()[0] for line in text[3:]] == ["exact", "20%", "50%", "none"]
+    lines = bench.hint_rows("chat", table["chat"], plain["chat"], as_json=True)
+    records = [json.loads(line) for line in lines]
+    assert len(records) == 2 * len(bench.HINT_ROWS)
+    assert [r["ratio"] for r in records if r["row"] == "none"] == [1.0, 1.0]

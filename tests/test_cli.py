@@ -40,15 +40,21 @@ def test_version_without_package_metadata_says_so(
     assert capsys.readouterr().out == "tiering unknown (not installed: pip install -e .)\n"
 
 
-def _one_error_line(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+def _usage_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    """The one line an argparse error prints (exit 2, nothing on stdout)."""
     with pytest.raises(SystemExit) as info:
         main(argv)
     assert info.value.code == 2
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.count("\n") == 1, captured.err
-    assert captured.err.startswith("tiering: error: ")
     return captured.err
+
+
+def _one_error_line(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    err = _usage_error(capsys, argv)
+    assert err.startswith("tiering: error: ")
+    return err
 
 
 @pytest.mark.parametrize(
@@ -123,17 +129,6 @@ def test_the_readme_gives_the_built_in_workloads_default_request_count() -> None
 
 
 # -- capacities: commas separate them --------------------------------------------------
-
-
-def _usage_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
-    """The one line an argparse error prints (exit 2, nothing on stdout)."""
-    with pytest.raises(SystemExit) as info:
-        main(argv)
-    assert info.value.code == 2
-    captured = capsys.readouterr()
-    assert captured.out == ""
-    assert captured.err.count("\n") == 1, captured.err
-    return captured.err
 
 
 @pytest.mark.parametrize(

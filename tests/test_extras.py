@@ -57,32 +57,33 @@ def test_require_names_the_extra_and_what_needs_it(monkeypatch: pytest.MonkeyPat
         install_line("redi")
 
 
-def test_a_package_that_is_there_but_cannot_be_imported_says_why(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+@pytest.mark.parametrize(
+    ("package", "file", "source", "missing"),
+    [
+        ("brokenpart", "brokenpart.py", "import a_module_that_is_not_there\n",
+         "a_module_that_is_not_there"),
+        # As a matplotlib whose compiled module was built for another Python: the package
+        # is found, one of its own modules is not. "Install the extra" would not help.
+        ("halfpart", "halfpart/__init__.py", "from halfpart._native import path\n",
+         "halfpart._native"),
+    ],
+)  # fmt: skip
+def test_a_package_there_that_cannot_be_imported_says_why_not_that_it_is_missing(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    package: str,
+    file: str,
+    source: str,
+    missing: str,
 ) -> None:
-    (tmp_path / "brokenpart.py").write_text("import a_module_that_is_not_there\n")
+    (tmp_path / file).parent.mkdir(exist_ok=True)
+    (tmp_path / file).write_text(source)
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ConfigError) as caught:
-        require("brokenpart", "plot", "a plot")
+        require(package, "plot", "a plot")
     assert str(caught.value) == (
         "a plot needs matplotlib, an optional part, and it cannot be imported (No module "
-        "named 'a_module_that_is_not_there'): pip install 'tiering[plot]'"
-    )
-
-
-def test_a_package_installed_but_broken_inside_is_not_said_to_be_missing(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    # As a matplotlib whose compiled module was built for another Python: the package is
-    # found, one of its own modules is not. "Install the extra" would not help.
-    (tmp_path / "halfpart").mkdir()
-    (tmp_path / "halfpart" / "__init__.py").write_text("from halfpart._native import path\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(ConfigError) as caught:
-        require("halfpart", "plot", "a plot")
-    assert str(caught.value) == (
-        "a plot needs matplotlib, an optional part, and it cannot be imported (No module "
-        "named 'halfpart._native'): pip install 'tiering[plot]'"
+        f"named '{missing}'): pip install 'tiering[plot]'"
     )
 
 

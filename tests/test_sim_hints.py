@@ -3,33 +3,37 @@ and `tiering replay --hints` (`tiering.workload.hints`)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
-from types import ModuleType
+from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 
 from tiering.cli import main
+from tiering.cli.tables import _replay_hints
 from tiering.cpu.manager import CPUOffloadingManager
 from tiering.errors import ConfigError, WorkloadError
 from tiering.hints import Hint
 from tiering.policies import POLICY_NAMES, create_policy
 from tiering.replay import ReplayOptions, _Retention, replay
-from tiering.sim import OPTIMAL, SimulationResult, requests_to_keys, simulate_keys
+from tiering.sim import OPTIMAL, requests_to_keys, simulate_keys
 from tiering.sim.chain import Chain
 from tiering.sim.result import TraceClock
 from tiering.workload import Request, chat_workload, documents_workload, write_trace
 from tiering.workload.hints import (
     CONTINUATION_RETAIN_S,
+    arrival_times_s,
     continuation_delays,
     continuation_hints,
     continues,
     flip_mask,
     workload_hints,
 )
+
+from .test_cli import _usage_error
 
 B = 512  # tokens per block
 RETAIN = Hint(retain_s=CONTINUATION_RETAIN_S)
@@ -101,14 +105,13 @@ def test_the_rule_uses_the_block_size_given() -> None:
         continues(trace, block_tokens=0)
 
 
-def test_the_built_in_workloads_get_their_own_rule() -> None:
+def test_every_workload_gets_the_conversation_rule() -> None:
     chat = chat_workload(400, seed=1)
-    assert workload_hints(chat, "continuation", workload="chat") == continuation_hints(chat)
+    assert workload_hints(chat, "continuation") == continuation_hints(chat)
     documents = documents_workload(400, seed=1)
     strict = continues(documents)
-    mine = workload_hints(documents, "continuation", workload="documents")
-    assert mine == continuation_hints(documents)  # the conversation rule (module docstring)
-    assert [h.retains for h in mine or ()] == strict
+    mine = continuation_hints(documents)  # the conversation rule (module docstring)
+    assert [h.retains for h in mine] == strict
     # The looser rule, measured and kept for whoever wants it, retains more.
     assert sum(h.retains for h in continuation_hints(documents, share=0.5)) > sum(strict)
     assert workload_hints(chat, "none") is None
@@ -167,7 +170,7 @@ BEFORE_HINTS = {
 def test_without_hints_a_run_is_exactly_the_run_before_hints(policy: str, capacity: int) -> None:
     requests = chat_workload(3000)
     keys = requests_to_keys(requests)
-    times = [r.timestamp / 1000 for r in requests]
+    times = arrival_times_s(requests)
     plain = simulate_keys(keys, capacity_tokens=capacity, policy=policy)
     clocked = simulate_keys(keys, capacity_tokens=capacity, policy=policy, times_s=times)
     empty = simulate_keys(
@@ -181,7 +184,7 @@ def test_without_hints_a_run_is_exactly_the_run_before_hints(policy: str, capaci
 def test_without_hints_a_disk_tier_below_runs_as_before() -> None:
     requests = chat_workload(1500, seed=5)
     keys = requests_to_keys(requests)
-    times = [r.timestamp / 1000 for r in requests]
+    times = arrival_times_s(requests)
     for policy in POLICY_NAMES:
         plain = simulate_keys(keys, capacity_tokens=60 * B, policy=policy, disk_tokens=300 * B)
         empty = simulate_keys(keys, capacity_tokens=60 * B, policy=policy, disk_tokens=300 * B,
@@ -205,7 +208,7 @@ def flood(retained: bool, start_ms: int = 1_000) -> tuple[list[Request], list[Hi
 def test_a_continuing_request_survives_a_flood_that_evicts_it_without_hints(policy: str) -> None:
     for retained, expected in ((False, 0), (True, 4)):
         requests, hints = flood(retained)
-        times = [r.timestamp / 1000 for r in requests]
+        times = arrival_times_s(requests)
         keys = requests_to_keys(requests)
         result = simulate_keys(keys, capacity_tokens=40 * B, policy=policy, hints=hints,
                                times_s=times)  # fmt: skip
@@ -219,7 +222,7 @@ def test_the_disk_tier_below_keeps_what_the_cpu_tier_could_not(policy: str) -> N
         requests, hints = flood(retained)
         result = simulate_keys(requests_to_keys(requests), capacity_tokens=8 * B,
                                policy=policy, disk_tokens=40 * B, hints=hints,
-                               times_s=[r.timestamp / 1000 for r in requests])  # fmt: skip
+                               times_s=arrival_times_s(requests))  # fmt: skip
         assert result.hit_blocks_by_tier == expected
 
 
@@ -254,7 +257,7 @@ def test_released_requests_go_first() -> None:
     requests, _ = flood(False)
     hints = continuation_hints(requests)  # the first turn retained, the flood released
     assert hints[1:] == [RELEASE] * 41
-    times = [r.timestamp / 1000 for r in requests]
+    times = arrival_times_s(requests)
     keys = requests_to_keys(requests)
     for retain in (hints[0], None):  # its own retention or not, the flood goes first
         result = simulate_keys(keys, capacity_tokens=40 * B, policy="lru",
@@ -265,7 +268,7 @@ def test_released_requests_go_first() -> None:
 def test_a_retention_expires_on_the_workload_clock() -> None:
     for start_s, expected in ((CONTINUATION_RETAIN_S - 1, 4), (CONTINUATION_RETAIN_S, 0)):
         requests, hints = flood(True, int(start_s * 1000))
-        times = [r.timestamp / 1000 for r in requests]
+        times = arrival_times_s(requests)
         keys = requests_to_keys(requests)
         result = simulate_keys(keys, capacity_tokens=40 * B, policy="lru", hints=hints,
                                times_s=times)  # fmt: skip
@@ -278,7 +281,7 @@ def test_the_optimum_ignores_hints() -> None:
     hints = continuation_hints(requests)
     best = simulate_keys(keys, capacity_tokens=40 * B, policy=OPTIMAL)
     hinted = simulate_keys(keys, capacity_tokens=40 * B, policy=OPTIMAL, hints=hints,
-                           times_s=[r.timestamp / 1000 for r in requests])  # fmt: skip
+                           times_s=arrival_times_s(requests))  # fmt: skip
     assert (hinted.hit_blocks, hinted.hints) == (best.hit_blocks, "none")
 
 
@@ -313,7 +316,7 @@ def test_simulate_json_rows_carry_the_hints_their_error_and_the_hit_rate(
         expected = simulate_keys(
             requests_to_keys(requests), capacity_tokens=int(str(row["capacity_tokens"])),
             policy=str(row["policy"]), hints=hints,
-            times_s=[r.timestamp / 1000 for r in requests],
+            times_s=arrival_times_s(requests),
         )  # fmt: skip
         assert row["hit_rate"] == expected.hit_rate
     other_seed = simulate_json(
@@ -365,12 +368,8 @@ def test_simulate_table_shows_the_hints(capsys: pytest.CaptureFixture[str]) -> N
 def test_bad_hint_flags_are_one_line_and_exit_2(
     capsys: pytest.CaptureFixture[str], command: str, flags: list[str], expected: str
 ) -> None:
-    with pytest.raises(SystemExit) as info:
-        main([command, "--workload", "chat", "--requests", "5", *flags])
-    assert info.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1, err
-    assert expected in err[0]
+    err = _usage_error(capsys, [command, "--workload", "chat", "--requests", "5", *flags])
+    assert expected in err
 
 
 # -- the replay --------------------------------------------------------------------
@@ -385,7 +384,7 @@ async def test_replay_with_hints_loads_back_exact_bytes(
 ) -> None:
     requests = chat_workload(500, seed=2)
     options = ReplayOptions(capacity_tokens=60 * B, concurrency=concurrency, verify=True,
-                            hints="continuation", hint_error=0.2, workload="chat",
+                            hints="continuation", hint_error=0.2,
                             **SMALL)  # fmt: skip
     result = await replay(requests, options)
     assert (result.hints, result.hint_error) == ("continuation", 0.2)
@@ -401,6 +400,38 @@ async def test_replay_without_hints_takes_none(anyio_backend: str) -> None:
         chat_workload(200, seed=2), ReplayOptions(capacity_tokens=60 * B, concurrency=1, **SMALL)
     )
     assert (result.hints, result.hinted_keys, result.released_evicted) == ("none", 0, 0)
+
+
+# 600 requests over 400 chunks: exact hints carry information, so the CPU tier follows
+# both kinds; half of them wrong carry none, and it ignores both (`tiering.policies.hints`).
+FOLLOWED = {"capacity_tokens": 400 * B, "concurrency": 1, "hints": "continuation", **SMALL}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("options", "following"),
+    [
+        (FOLLOWED, True),
+        ({**FOLLOWED, "hint_error": 0.5}, False),
+        ({**FOLLOWED, "hints": "none"}, None),
+    ],
+)
+async def test_the_replay_says_whether_the_cpu_tier_followed_the_hints(
+    anyio_backend: str, options: dict[str, Any], following: bool | None
+) -> None:
+    result = await replay(chat_workload(600, seed=2), ReplayOptions(**options))
+    assert (result.following_releases, result.following_retentions) == (following, following)
+    line = _replay_hints(result)
+    if following is None:
+        assert line == "none (--hints)"
+    elif following:
+        assert "; releases and retentions followed; TTLs scaled" in line
+        one = msgspec.structs.replace(result, following_retentions=False)
+        assert "; releases followed, retentions ignored (measured no better than chance); " in (
+            _replay_hints(one)
+        )
+    else:
+        assert "; releases and retentions ignored (measured no better than chance); " in line
 
 
 def test_replay_options_refuse_bad_hints() -> None:
@@ -458,7 +489,7 @@ def test_the_replay_and_simulate_tables_point_at_each_other_with_the_same_hints(
 
 def test_retention_is_scaled_to_the_replay_pace_after_a_minute() -> None:
     now = [100.0]
-    retention = _Retention([0.0, 30.0, 120.0], timer=lambda: now[0])
+    retention = _Retention(0.0, timer=lambda: now[0])
     assert retention.scaled(RETAIN, 0.0) == RETAIN  # the replay starts: no pace yet
     now[0] = 101.0
     assert retention.scaled(RETAIN, 30.0) == RETAIN  # under a minute of workload time
@@ -468,7 +499,7 @@ def test_retention_is_scaled_to_the_replay_pace_after_a_minute() -> None:
     assert retention.scaled(None, 120.0) is None
 
 
-def test_a_trace_file_gets_the_trace_rule(
+def test_simulate_hints_the_requests_of_a_trace_given_by_trace(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     trace = tmp_path / "trace.jsonl"
@@ -480,79 +511,5 @@ def test_a_trace_file_gets_the_trace_rule(
     row = json.loads(capsys.readouterr().out)
     strict = simulate_keys(requests_to_keys(requests), capacity_tokens=51200, policy="dslru",
                            hints=continuation_hints(requests),
-                           times_s=[r.timestamp / 1000 for r in requests])  # fmt: skip
+                           times_s=arrival_times_s(requests))  # fmt: skip
     assert row["hit_blocks"] == strict.hit_blocks
-
-
-# -- bench/policy.py's hints table -------------------------------------------------
-
-
-def _bench() -> ModuleType:
-    path = Path(__file__).resolve().parents[1] / "bench" / "policy.py"
-    spec = importlib.util.spec_from_file_location("bench_policy_hints", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def made_up(hit_blocks: int, blocks: int = 1000, evictions: int = 0) -> SimulationResult:
-    return SimulationResult.of(policy="dslru", capacity_tokens=B, capacity_chunks=1,
-                               requests=1, blocks=blocks, hit_blocks=hit_blocks,
-                               store_failures=0, evictions=evictions, seconds=1.0)  # fmt: skip
-
-
-def tables(
-    rates: dict[str, int], none: int = 100
-) -> tuple[dict[str, dict[int, dict[str, SimulationResult]]], ...]:
-    """A trace table hitting 100 blocks of 1,000 without hints at every capacity, and its
-    hinted rows hitting ``rates`` (``none`` for the row without hints)."""
-    bench = _bench()
-    plain = {"trace": {c: {"dslru": made_up(100)} for c in bench.HINT_TRACE_CAPACITIES}}
-    hinted = {
-        "trace": {
-            c: {**{row: made_up(rates[row]) for row in rates}, "none": made_up(none)}
-            for c in bench.HINT_TRACE_CAPACITIES
-        }
-    }
-    return hinted, plain
-
-
-def test_bench_hint_targets_held_report_nothing_and_misses_are_named() -> None:
-    bench = _bench()
-    assert bench.DEFAULT_POLICY == "dslru"  # the made-up rows' policy
-    held = {"exact": 145, "20% wrong": 120, "50% wrong": 98}
-    assert bench.check_hint_targets(*tables(held)) == []
-    missed = bench.check_hint_targets(*tables({**held, "exact": 144, "50% wrong": 97}))
-    assert len(missed) == 4  # exact at 3M, 50 % wrong at each of three capacities
-    assert missed[0] == (
-        "trace at 3,000,000 tokens: hints exact hit 14.40%, 1.440x dslru without hints "
-        "(10.00%) < 1.45x"
-    )
-    (differs,) = bench.check_hint_targets(*tables(held, none=101))[:1]
-    assert "without hints hits 101 blocks and evicts 0 chunks, 100 and 0 without it" in differs
-    hinted, plain = tables(held)  # "none" is exactly no hints: its evictions too
-    hinted["trace"][3_000_000]["none"] = made_up(100, evictions=1)
-    (differs,) = bench.check_hint_targets(hinted, plain)
-    assert differs.startswith("trace at 3,000,000 tokens: dslru through the hinted path")
-    assert "evicts 1 chunks, 100 and 0 without it" in differs
-
-
-def test_bench_hints_table_runs_every_row_serially() -> None:
-    bench = _bench()
-    workload = bench.Workload(name="chat", capacities=(25_600, 51_200, 102_400), requests=300)
-    (hinted,) = bench.hint_workloads([workload])
-    assert hinted.capacities == (25_600, 102_400)  # the registry's chat capacities run
-    table = bench.run_hints([hinted], jobs=1)
-    plain = bench.run([hinted], jobs=1)
-    assert bench.check_hint_targets(table, plain) == []  # none == no hints, exactly
-    for row in table["chat"].values():
-        assert list(row) == list(bench.HINT_ROWS)
-        assert (row["20% wrong"].hints, row["20% wrong"].hint_error) == ("continuation", 0.2)
-    text = bench.hint_rows("chat", table["chat"], plain["chat"], as_json=False)
-    assert [line.split()[0] for line in text[3:]] == ["exact", "20%", "50%", "none"]
-    lines = bench.hint_rows("chat", table["chat"], plain["chat"], as_json=True)
-    records = [json.loads(line) for line in lines]
-    assert len(records) == 2 * len(bench.HINT_ROWS)
-    assert [r["ratio"] for r in records if r["row"] == "none"] == [1.0, 1.0]

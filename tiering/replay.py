@@ -69,7 +69,7 @@ from tiering.sim import Progress, requests_to_keys
 from tiering.specs import GPULoadStoreSpec
 from tiering.transfer import KVCacheTensor, KVLayout, available_host_bytes
 from tiering.workload import Request
-from tiering.workload.hints import HintSource, flip_mask, workload_hints
+from tiering.workload.hints import HintSource, arrival_times_s, flip_mask, workload_hints
 
 __all__ = [
     "ReplayOptions",
@@ -112,9 +112,6 @@ class ReplayOptions(msgspec.Struct, frozen=True, kw_only=True):
     hints: str = "none"
     hint_error: float = 0.0
     hint_seed: int = 0
-    #: The built-in workload the requests come from (its continuation rule), None for
-    #: a trace.
-    workload: str | None = None
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.hold) and self.hold >= 0):
@@ -266,10 +263,8 @@ class _Retention:
 
     _WARMUP_S = 60.0
 
-    def __init__(
-        self, times_s: Sequence[float], timer: Callable[[], float] = time.monotonic
-    ) -> None:
-        self._first = times_s[0] if times_s else 0.0
+    def __init__(self, first_s: float, timer: Callable[[], float] = time.monotonic) -> None:
+        self._first = first_s  # the first request's workload time
         self._timer = timer  # the manager's clock
         self._start: float | None = None
 
@@ -359,10 +354,9 @@ async def replay(
         error=options.hint_error,
         seed=options.hint_seed,
         block_tokens=options.block_tokens,
-        workload=options.workload,
     )
-    times_s = [r.timestamp / 1000.0 for r in requests]
-    retention = _Retention(times_s)
+    times_s = arrival_times_s(requests)
+    retention = _Retention(times_s[0] if times_s else 0.0)
     tally = Tally()
     order = iter(range(len(request_keys)))
 

@@ -98,6 +98,10 @@ class ReplayResult(msgspec.Struct, frozen=True, kw_only=True):
     hint_error: float = 0.0
     hinted_keys: int = 0
     released_evicted: int = 0
+    #: Whether the CPU tier followed each kind of hint at the end (it follows a kind
+    #: only while it measures it helping: `tiering.policies.hints`); None without hints.
+    following_releases: bool | None = None
+    following_retentions: bool | None = None
 
 
 class Tally:
@@ -152,6 +156,7 @@ class Tally:
             events_dropped += sum(sink.dropped_total for sink in events.sinks)
         below = sum(r.hit_blocks for r in reports)
         by_tier = {"cpu": self.hit_blocks - below, **{r.label: r.hit_blocks for r in reports}}
+        hinted = options.hints != "none"
         return ReplayResult(
             requests=requests,
             blocks=self.blocks,
@@ -192,6 +197,8 @@ class Tally:
             hint_error=options.hint_error,
             hinted_keys=hints.hinted_keys_total,
             released_evicted=hints.released_evicted_total,
+            following_releases=hints.following_releases if hinted else None,
+            following_retentions=hints.following_retentions if hinted else None,
         )
 
 

@@ -231,7 +231,6 @@ def _run(args: argparse.Namespace) -> None:
         hints=hints,
         hint_error=hint_error,
         hint_seed=hint_seed,
-        workload=args.workload,
     )
     url = options.remote_url()  # an unset variable or a bad password file: now, not after a load
     if args.remote is not None and url is not None:

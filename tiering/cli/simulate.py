@@ -36,7 +36,7 @@ from tiering.sim import (
     simulate_keys,
 )
 from tiering.workload import CAPACITY_TOKENS
-from tiering.workload.hints import workload_hints
+from tiering.workload.hints import arrival_times_s, workload_hints
 
 __all__ = ["add_parser"]
 
@@ -126,9 +126,8 @@ def _run(args: argparse.Namespace) -> None:
         error=hint_error,
         seed=hint_seed,
         block_tokens=args.block_tokens,
-        workload=args.workload,
     )
-    times_s = None if hints is None else [r.timestamp / 1000.0 for r in requests]
+    times_s = None if hints is None else arrival_times_s(requests)
     runs = [(p, c, d) for p in policies for c in capacities for d in disks]
     if plot_format is not None and OPTIMAL not in policies and args.disk_tokens is None:
         runs += [(OPTIMAL, capacity, None) for capacity in capacities]  # the plot shows it

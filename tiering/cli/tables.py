@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from tiering.cli.arguments import scope_of
 from tiering.sim import SimulationResult
 from tiering.workload import Request
+from tiering.workload.hints import CONTINUATION_RETAIN_S
 
 if TYPE_CHECKING:
     from tiering.replay import ReplayResult, TierReport
@@ -92,8 +93,6 @@ def _hints_cell(r: SimulationResult) -> str:
 
 def _hints_note(args: argparse.Namespace) -> str:
     """What the hints column means, in one line."""
-    from tiering.workload.hints import CONTINUATION_RETAIN_S
-
     seed = args.hint_seed or 0
     return (
         f"hints: each request retains its chunks {CONTINUATION_RETAIN_S:g} s when a later "
@@ -149,8 +148,21 @@ def _replay_hints(r: ReplayResult) -> str:
     wrong = f", {r.hint_error:.0%} wrong" if r.hint_error else ""
     return (
         f"{r.hints}{wrong}: {r.hinted_keys:,} chunk hints taken, {r.released_evicted:,} "
-        "released chunks evicted first (TTLs scaled to the replay's pace)"
+        f"released chunks evicted first; {_followed(r)}; TTLs scaled to the replay's pace"
     )
+
+
+def _followed(r: ReplayResult) -> str:
+    """Which kinds of hint the CPU tier followed at the end (it follows a kind only while
+    it measures it helping): ``releases followed, retentions ignored (measured no better
+    than chance)``."""
+    kinds = (("releases", r.following_releases), ("retentions", r.following_retentions))
+    followed = [kind for kind, following in kinds if following]
+    ignored = [kind for kind, following in kinds if not following]
+    said = [" and ".join(followed) + " followed"] if followed else []
+    if ignored:
+        said.append(" and ".join(ignored) + " ignored (measured no better than chance)")
+    return ", ".join(said)
 
 
 def _by_tier(r: ReplayResult) -> str:

@@ -21,21 +21,20 @@ gets ``Hint(retain_s=CONTINUATION_RETAIN_S)``, the others
 that knows its session does: it is computed in one pass from the end, O(total
 blocks).
 
-Each workload's own rule (`CONTINUATION_SHARE`). A conversation (the trace,
-``chat``) goes on when its next turn comes: the rule above. A ``documents``
-session's prompt is mostly its document, which later sessions re-read while
-this one ends; a looser rule was measured for it, a request continuing when a
-later request begins with at least half of its complete blocks (``share`` 0.5:
-the first ``ceil(0.5 * complete)``): with exact hints, dslru over 12,000
-requests at 51,200 / 153,600 / 512,000 / 1,536,000 tokens gave 0.965 / 0.993 /
-1.009 / 1.002 of its hit rate without hints (a share of 0.25: the same), the
-conversation rule 0.999 / 1.000 / 1.000 / 1.000. A release spares the head
-other requests share (`tiering.policies.hints`), so the conversation rule
-never releases a document others re-read, and the looser rule's retentions
-also protect an ending session's own blocks, never read again, which is what
-they cost at the small capacities. So ``documents`` keeps the conversation
-rule (share 1), and ``continuation_hints(share=...)`` keeps the looser one for
-whoever wants to measure it.
+The documents rule. A conversation (the trace, ``chat``) goes on when its
+next turn comes: the rule above. A ``documents`` session's prompt is mostly its
+document, which later sessions re-read while this one ends; a looser rule was
+measured for it, a request continuing when a later request begins with at least
+half of its complete blocks (``share`` 0.5: the first ``ceil(0.5 * complete)``):
+with exact hints, dslru over 12,000 requests at 51,200 / 153,600 / 512,000 /
+1,536,000 tokens gave 0.965 / 0.993 / 1.009 / 1.002 of its hit rate without hints
+(a share of 0.25: the same), the conversation rule 0.999 / 1.000 / 1.000 / 1.000.
+A release spares the head other requests share (`tiering.policies.hints`), so the
+conversation rule never releases a document others re-read, and the looser
+rule's retentions also protect an ending session's own blocks, never read again,
+which is what they cost at the small capacities. So ``documents`` uses the
+conversation rule like every workload, and ``continuation_hints(share=...)``
+keeps the looser one for whoever wants to measure it.
 
 The TTL. ``retain_s`` must cover the time from a request to the first later
 request that continues it (`continuation_delays`). On the conversation trace
@@ -57,8 +56,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Mapping, Sequence
-from types import MappingProxyType
+from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -70,8 +68,8 @@ from tiering.workload.trace import BLOCK_TOKENS, Request
 
 __all__ = [
     "CONTINUATION_RETAIN_S",
-    "CONTINUATION_SHARE",
     "HintSource",
+    "arrival_times_s",
     "continuation_delays",
     "continuation_hints",
     "continues",
@@ -83,10 +81,6 @@ __all__ = [
 #: trace's next turns come within it (the module's docstring).
 CONTINUATION_RETAIN_S = 600.0
 
-#: Per built-in workload, the share of a request's complete blocks a later request
-#: must begin with to continue it (the module's docstring); 1 for the others.
-CONTINUATION_SHARE: Mapping[str, float] = MappingProxyType({"chat": 1.0, "documents": 1.0})
-
 _RETAIN = Hint(retain_s=CONTINUATION_RETAIN_S)
 _RELEASE = Hint(release=True)
 
@@ -96,6 +90,11 @@ class HintSource(enum.Enum):
 
     NONE = "none"  # no hint at all: the run is exactly one without hints
     CONTINUATION = "continuation"  # the continuation rule (module docstring)
+
+
+def arrival_times_s(requests: Sequence[Request]) -> list[float]:
+    """The requests' arrival times in seconds (the workload's clock, which hints need)."""
+    return [r.timestamp / 1000.0 for r in requests]
 
 
 def _needed(request: Request, block_tokens: int, share: float) -> int | None:
@@ -178,11 +177,9 @@ def workload_hints(
     error: float = 0.0,
     seed: int = 0,
     block_tokens: int = BLOCK_TOKENS,
-    workload: str | None = None,
 ) -> list[Hint] | None:
     """The hints of a run: None for `HintSource.NONE` (an ``error`` other than 0 is then
-    refused: there is nothing to spoil), else `continuation_hints` with the rule of the
-    built-in ``workload`` (`CONTINUATION_SHARE`; None: a trace's)."""
+    refused: there is nothing to spoil), else `continuation_hints`."""
     try:
         kind = HintSource(source)
     except ValueError:
@@ -194,7 +191,4 @@ def workload_hints(
                 f"a hint error of {error!r} needs hints to spoil: ask for continuation hints"
             )
         return None
-    share = 1.0 if workload is None else CONTINUATION_SHARE.get(workload, 1.0)
-    return continuation_hints(
-        requests, error=error, seed=seed, block_tokens=block_tokens, share=share
-    )
+    return continuation_hints(requests, error=error, seed=seed, block_tokens=block_tokens)
