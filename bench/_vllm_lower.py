@@ -19,9 +19,17 @@ and holding the first 24 chunks of a 40-chunk prefix, the tier alone the last
 **Hit tokens.** The first ``requests`` of the trace replayed through each spec
 with a CPU tier of ``capacity_tokens`` trace tokens alone, then over Redis,
 then over the disk (each large enough for the whole replay): what the lower
-tier adds to the CPU tier's hits. Under `TieringSpec` vLLM's worker connectors
-move real bytes (the link reads the workers' rows); vLLM's spec has no worker
-on a machine without a GPU, so there the rows hold whatever they held.
+tier adds to the CPU tier's hits.
+
+**Lost.** Each row's chunks the lower tiers did not take or give (their log lines
+are silenced): under `TieringSpec` the link's ``cascade_dropped``,
+``cascade_failed`` and ``promote_failed``; under vLLM's spec, whose cascade counts
+only in its metrics, its tiers' adapters' ``chunks_dropped`` and
+``keys_not_loaded``.
+
+Under `TieringSpec` vLLM's worker connectors move real bytes (the link reads the
+workers' rows); vLLM's spec has no worker on a machine without a GPU, so there
+the rows hold whatever they held.
 
 Its own redis-server, on a free loopback port, is started for each run
 (no persistence, its folder temporary) and stopped by its pid; the disk tier's
@@ -50,6 +58,10 @@ TIERS = {"redis": "RedisSecondaryTier", "disk": "DiskSecondaryTier"}
 SPECS = ("TieringSpec", "TieringOffloadingSpec")
 #: The smallest prefix of the promotion runs, in chunks (one 16-token block a chunk).
 PREFIX_CHUNKS = 32
+#: `SecondaryLink.statistics`' counts of chunks not written through or not promoted.
+LINK_LOSSES = ("cascade_dropped", "cascade_failed", "promote_failed")
+#: A `PolledSecondaryTier`'s counts of chunks it failed itself or did not load.
+ADAPTER_LOSSES = ("chunks_dropped", "keys_not_loaded")
 
 
 @contextlib.contextmanager
@@ -86,13 +98,36 @@ def _answers(port: int) -> bool:
         return False
 
 
-def entry(tier: str, where: str, capacity_bytes: int) -> dict[str, Any]:
+def entry(harness: Any, tier: str, where: str, capacity_bytes: int) -> dict[str, Any]:
     """The ``secondary_tiers`` entry of ``tier``: a Redis URL (a namespace of its own) or a
     folder of ``capacity_bytes``."""
-    base = {"type": TIERS[tier], "module_path": "tiering.integrations.vllm"}
     if tier == "redis":
-        return {**base, "url": where, "namespace": f"bench-{uuid.uuid4().hex}"}
-    return {**base, "path": where, "capacity_bytes": capacity_bytes}
+        return harness.redis_entry(where, namespace=f"bench-{uuid.uuid4().hex}")
+    return harness.disk_entry(where, capacity_bytes)
+
+
+def losses(engine: Any) -> dict[str, int]:
+    """What the engine's lower tiers did not take or give, in chunks (the lines that say it
+    are silenced): `TieringSpec`'s link's counts; under vLLM's ``TieringOffloadingSpec``
+    (whose own cascade counts only in its metrics), its tiers' adapters'."""
+    link = getattr(engine.manager, "link", None)
+    if link is not None:
+        stats = link.statistics()
+        return {name: stats[name] for name in LINK_LOSSES}
+    counts = dict.fromkeys(ADAPTER_LOSSES, 0)
+    for tier in engine.manager.secondary_tiers:
+        stats = tier.statistics()
+        for name in ADAPTER_LOSSES:
+            counts[name] += getattr(stats, name)
+    return counts
+
+
+def _added(*counts: dict[str, int]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for each in counts:
+        for name, n in each.items():
+            total[name] = total.get(name, 0) + n
+    return total
 
 
 def make_engine(
@@ -226,12 +261,14 @@ def promotion_steps(
                 first.run()
                 watch.idle()
                 first.run()
+            stored = losses(first)
         finally:
             shut(first)
         watch.tiers.clear()
         second = make_engine(harness, model, spec, cpu_bytes, tier)
         try:
             rows = [measure(second, watch, prompt, what) for prompt in prompts]
+            promoted = losses(second)
         finally:
             shut(second)
     to_load = [r[0] for r in rows]
@@ -244,6 +281,7 @@ def promotion_steps(
         "answer_to_load_median": statistics.median(after),
         "answer_to_load_worst": max(after),
         "met": max(after) <= PROMOTION_TARGET,
+        "lost": _added(stored, promoted),
     }
 
 
@@ -269,9 +307,10 @@ def part_held_steps(harness: Any, model: Path, spec: str, tier: dict[str, Any]) 
             for worker in getattr(engine, "models", ()):
                 worker.wipe()
             to_load, after = measure(engine, watch, [*prefix, 9, 9, 9, 9, 9, 9, 9, 9], what)
+            lost = losses(engine)
         finally:
             shut(engine)
-    return {"lookup_to_load": to_load, "answer_to_load": after}
+    return {"lookup_to_load": to_load, "answer_to_load": after, "lost": lost}
 
 
 def trace_hits(
@@ -296,6 +335,7 @@ def trace_hits(
     started = time.perf_counter()
     try:
         harness.replay(engine, prompts)
+        lost = losses(engine) if tier is not None else {}
     finally:
         shut(engine)
     return {
@@ -303,6 +343,7 @@ def trace_hits(
         "queried_tokens": engine.queried_tokens,
         "hit_rate": engine.hit_tokens / max(1, engine.queried_tokens),
         "wall_seconds": time.perf_counter() - started,
+        "lost": lost,
     }
 
 
@@ -334,11 +375,13 @@ def run(
     for name in TIERS:
         for spec in SPECS:
             with _where(name) as where:
-                tier = entry(name, where, room)
+                tier = entry(harness, name, where, room)
                 steps = promotion_steps(harness, model, spec, tier, prompts)
-                steps["part_held"] = part_held_steps(harness, model, spec, entry(name, where, room))
+                tier = entry(harness, name, where, room)
+                steps["part_held"] = part_held_steps(harness, model, spec, tier)
             with _where(name) as where:
-                hits = trace_hits(harness, model, spec, entry(name, where, room), trace, cpu_bytes)
+                tier = entry(harness, name, where, room)
+                hits = trace_hits(harness, model, spec, tier, trace, cpu_bytes)
             base = result["hits"]["cpu only"][spec]["hit_tokens"]
             hits["vs_cpu_only"] = hits["hit_tokens"] / max(1, base)
             result["promotion"].setdefault(name, {})[spec] = steps
@@ -369,7 +412,7 @@ def report(result: dict[str, Any]) -> None:
     )
     print(
         "tier   spec                    first lookup->load  answer->load (median/worst)"
-        "  part held: lookup->load, answer->load"
+        "  part held: lookup->load, answer->load  lost (chunks)"
     )
     for name, by_spec in result["promotion"].items():
         for spec, row in by_spec.items():
@@ -378,21 +421,27 @@ def report(result: dict[str, Any]) -> None:
                 f"{name:<6} {spec:<23} {row['lookup_to_load_median']:>8g}/"
                 f"{row['lookup_to_load_worst']:<9g} {row['answer_to_load_median']:>6g}/"
                 f"{row['answer_to_load_worst']:<3g} {'met' if row['met'] else 'NOT met':<7}  "
-                f"{part['lookup_to_load']:>13}, {part['answer_to_load']}"
+                f"{part['lookup_to_load']:>33}, {part['answer_to_load']:<12}  "
+                f"{_said(_added(row['lost'], part['lost']))}"
             )
     print(
         f"\nHit tokens, first {result['requests']} requests of the trace, CPU tier "
         f"{result['capacity_tokens']:,} trace tokens"
     )
-    print("lower tier  spec                    hit tokens  hit rate  x cpu only")
+    print("lower tier  spec                    hit tokens  hit rate  x cpu only  lost (chunks)")
     for name, by_spec in result["hits"].items():
         for spec, row in by_spec.items():
             ratio = row.get("vs_cpu_only", 1.0)
             print(
                 f"{name:<11} {spec:<23} {row['hit_tokens']:>10}  {row['hit_rate']:7.2%}  "
-                f"{ratio:9.3f}"
+                f"{ratio:9.3f}  {_said(row['lost'])}"
             )
     print(
         f"promotion within {PROMOTION_TARGET} steps of the tier's answer: "
         f"{'met' if result['met'] else 'NOT met'}"
     )
+
+
+def _said(lost: dict[str, int]) -> str:
+    """``lost`` in a table's cell: ``-`` where nothing is below, else every count."""
+    return ", ".join(f"{name} {n:,}" for name, n in lost.items()) or "-"

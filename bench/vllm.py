@@ -27,7 +27,9 @@ scheduler steps from a request's first lookup to its load, and from the tier's
 answer to its load (median and worst), for prefixes of 32 chunks and more that
 only the tier holds; and the hit tokens of the first ``--lower-requests``
 requests of the trace with a CPU tier of ``--lower-capacity-tokens`` alone and
-over each lower tier. Target (issue #28): the load within 2 steps of the answer.
+over each lower tier; and, for each, the chunks the tiers did not take or give
+(their log lines are silenced). Target (issue #28): the load within 2 steps of
+the answer.
 
     PYTHONPATH=.vllm-env/site python bench/vllm.py [--requests N] [--rounds R] [--json]
 """
@@ -80,7 +82,8 @@ def main() -> None:
     import logging
 
     logging.getLogger("vllm").setLevel(logging.ERROR)
-    logging.getLogger("tiering").setLevel(logging.ERROR)  # a lower tier's drops are counted
+    # A lower tier's drops are counted in its rows ("lost"), not said in the log.
+    logging.getLogger("tiering").setLevel(logging.ERROR)
     prompts = harness.trace_prompts(harness.TRACE, args.requests)
     keys = sum(len(p) for p in prompts) // 16
     chunks = args.capacity_tokens // harness.TRACE_BLOCK_TOKENS

@@ -46,29 +46,22 @@ sys.path.insert(0, str(ROOT))
 from tiering.cli.arguments import positive_int  # noqa: E402  (after the path is set)
 
 SIZES = (1, 2, 4)
-MODULE = "tiering.integrations.vllm"
+#: `SecondaryLink.statistics`' counts of chunks not written through or not promoted.
+LOSSES = ("cascade_dropped", "cascade_failed", "promote_failed")
 
 
 @contextlib.contextmanager
-def tiers(kind: str, tp: int, chunk_bytes: int, chunks: int) -> Iterator[list[dict[str, Any]]]:
+def tiers(harness: Any, kind: str, chunk_bytes: int, chunks: int) -> Iterator[list[dict[str, Any]]]:
     """Fresh lower tiers of ``kind`` for one run (a folder, a redis-server, or both)."""
     from bench._vllm_lower import redis_server
 
     with tempfile.TemporaryDirectory(prefix="tiering-bench-tp-") as folder:
         entries: list[dict[str, Any]] = []
-        if "disk" in kind:
-            entries.append(
-                {
-                    "type": "DiskSecondaryTier",
-                    "module_path": MODULE,
-                    "path": str(Path(folder) / "disk"),
-                    "capacity_bytes": 100 * chunks * chunk_bytes,  # all the trace writes
-                }
-            )
+        if "disk" in kind:  # room for all the trace writes
+            entries.append(harness.disk_entry(Path(folder) / "disk", 100 * chunks * chunk_bytes))
         with contextlib.ExitStack() as stack:
             if "redis" in kind:
-                url = stack.enter_context(redis_server(Path(folder)))
-                entries.append({"type": "RedisSecondaryTier", "module_path": MODULE, "url": url})
+                entries.append(harness.redis_entry(stack.enter_context(redis_server(Path(folder)))))
             yield entries
 
 
@@ -77,7 +70,7 @@ def run_once(
 ) -> dict[str, Any]:
     chunks = args.capacity_tokens // harness.TRACE_BLOCK_TOKENS
     chunk_bytes = harness.attention_spec(tp=tp).page_size_bytes * len(harness.LAYERS) * tp
-    with tiers(args.tier, tp, chunk_bytes, chunks) as entries:
+    with tiers(harness, args.tier, chunk_bytes, chunks) as entries:
         engine = harness.build_engine(
             model,
             harness.tiering_extra(
@@ -113,6 +106,8 @@ def run_once(
             "ms_per_step": 1000 * engine.scheduler_seconds / engine.steps,
             "promoted": stats["promoted"],
             "written": stats["cascade_written"],
+            # What the tiers did not take or give (the lines that say it are silenced).
+            **{name: stats[name] for name in LOSSES},
             "wall_seconds": time.perf_counter() - started,
         }
 
@@ -134,7 +129,7 @@ def main() -> None:
         warnings.simplefilter("ignore")  # vLLM's imports warn about their own affairs
         from tests.vllm import harness
     logging.getLogger("vllm").setLevel(logging.ERROR)
-    logging.getLogger("tiering").setLevel(logging.ERROR)  # a tier's drops are counted
+    logging.getLogger("tiering").setLevel(logging.ERROR)  # a tier's drops: counted in the rows
     prompts = harness.trace_prompts(harness.TRACE, args.requests)
     model = harness.write_model(Path(os.environ.get("TMPDIR", "/tmp")) / "tiering-bench-model")
     rows: dict[int, dict[str, Any]] = {}
@@ -154,10 +149,15 @@ def main() -> None:
         f"TieringSpec over {args.tier}, {len(prompts)} requests, CPU tier of "
         f"{args.capacity_tokens:,} trace tokens; fastest of {args.rounds} rounds"
     )
-    print("TP  hit tokens  promoted  written  steps  scheduler s  ms/step  cost vs TP 1")
+    print(
+        "TP  hit tokens  promoted  written  dropped  failed  promote failed  steps  scheduler s"
+        "  ms/step  cost vs TP 1"
+    )
     for tp, row in rows.items():
         print(
             f"{tp:<3} {row['hit_tokens']:>10,} {row['promoted']:>9,} {row['written']:>8,} "
+            f"{row['cascade_dropped']:>8,} {row['cascade_failed']:>7,} "
+            f"{row['promote_failed']:>15,} "
             f"{row['steps']:>6} {row['scheduler_seconds']:>12.3f} {row['ms_per_step']:>8.3f} "
             f"{row['cost_vs_tp1']:>13.2f}x"
         )

@@ -531,6 +531,51 @@ def tiering_extra(cpu_bytes: int, **extra: Any) -> dict[str, Any]:
     }
 
 
+#: The module vLLM's ``SecondaryTierFactory`` loads tiering's lower tiers from.
+TIERS_MODULE = "tiering.integrations.vllm"
+
+
+def disk_entry(folder: Path | str, capacity_bytes: int, **options: Any) -> dict[str, Any]:
+    """A ``secondary_tiers`` entry of tiering's disk tier over ``folder``."""
+    return {
+        "type": "DiskSecondaryTier",
+        "module_path": TIERS_MODULE,
+        "path": str(folder),
+        "capacity_bytes": capacity_bytes,
+        **options,
+    }
+
+
+def redis_entry(url: str, **options: Any) -> dict[str, Any]:
+    """A ``secondary_tiers`` entry of tiering's Redis tier at ``url``."""
+    return {"type": "RedisSecondaryTier", "module_path": TIERS_MODULE, "url": url, **options}
+
+
+def prometheus_text(engine: Engine) -> str:
+    """What ``vllm serve``'s /metrics renders of the engine's connector stats: its
+    payloads observed by vLLM's own `OffloadPromMetrics` over the spec's definitions."""
+    import functools
+
+    import prometheus_client
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+        OffloadPromMetrics,
+    )
+
+    registry = prometheus_client.CollectorRegistry()
+    kinds = {
+        kind: functools.partial(kind, registry=registry)
+        for kind in (
+            prometheus_client.Gauge,
+            prometheus_client.Counter,
+            prometheus_client.Histogram,
+        )
+    }
+    metrics = OffloadPromMetrics(engine.vllm_config, kinds, ["engine"], {0: ["0"]})
+    for payload in engine.payloads:
+        metrics.observe(payload, 0)
+    return prometheus_client.generate_latest(registry).decode()
+
+
 #: The Mooncake trace of the project (hash ids of 512-token blocks).
 TRACE = (
     Path(__file__).resolve().parents[2].parent / "shared" / "traces" / "conversation_trace.jsonl"

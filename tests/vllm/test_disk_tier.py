@@ -42,7 +42,7 @@ from tiering.integrations.vllm.disk_tier import (
 )
 from tiering.integrations.vllm.extra import remote_namespace
 
-from .harness import Engine, build_engine, write_model
+from .harness import Engine, build_engine, disk_entry, write_model
 from .test_redis_tier import CHUNK, CPU_CHUNKS, END, KEY, finished, job, stats_data
 
 HERE = Path(__file__).resolve().parent
@@ -55,14 +55,11 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_model(tmp_path_factory.mktemp("model"))
 
 
-def entry(folder: Path, **options: Any) -> dict[str, Any]:
-    return {
-        "type": "DiskSecondaryTier",
-        "module_path": "tiering.integrations.vllm",
-        "path": str(folder),
-        "capacity_bytes": 256 * (CHUNK + 4096),
-        **options,
-    }
+def entry(
+    folder: Path, capacity_bytes: Any = 256 * (CHUNK + 4096), **options: Any
+) -> dict[str, Any]:
+    """The tier's entry; by default room for every value of a test (and its header)."""
+    return disk_entry(folder, capacity_bytes, **options)
 
 
 def make_engine(model: Path, folder: Path, cpu_chunks: int = 32, **options: Any) -> Engine:
@@ -437,7 +434,7 @@ def test_at_tp_2_the_up_gauge_is_1_only_while_every_ranks_tier_is_up(model, tmp_
 
     from . import test_tp
 
-    engine = test_tp.make_engine(model, 2, [test_tp.disk_entry(tmp_path / "cache", tp=2)])
+    engine = test_tp.make_engine(model, 2, [disk_entry(tmp_path / "cache", test_tp.disk_room(2))])
     try:
         test_tp.run(engine, test_tp.PROMPT_A)
         tier = engine.manager.link.tiers[0]

@@ -18,7 +18,6 @@ CPU tier when it is scheduled; without the hint, the same request is recomputed.
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +32,16 @@ from tiering.hints import HintCounts
 from tiering.integrations.vllm.manager import TieringMetrics
 from tiering.integrations.vllm.policies import TieringCachePolicy
 
-from .harness import Engine, attention_spec, build_engine, native_extra, tiering_extra, write_model
+from .harness import (
+    Engine,
+    attention_spec,
+    build_engine,
+    disk_entry,
+    native_extra,
+    prometheus_text,
+    tiering_extra,
+    write_model,
+)
 from .vllm_log import vllm_logging
 
 CHUNK = attention_spec().page_size_bytes * 2  # one 16-token block, both layers
@@ -261,11 +269,6 @@ def test_malformed_hints_are_counted_said_once_per_kind_and_the_steps_go_on(
 def test_vllms_prometheus_metrics_show_the_hint_counts(model: Path) -> None:
     """Through vLLM's own `OffloadPromMetrics` over the definitions `TieringSpec` declares
     (what ``vllm serve``'s /metrics renders)."""
-    import prometheus_client
-    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
-        OffloadPromMetrics,
-    )
-
     engine = make_engine(model, "TieringSpec")
     try:
         send(engine, 1, kv_transfer_params=RETAIN)
@@ -280,19 +283,7 @@ def test_vllms_prometheus_metrics_show_the_hint_counts(model: Path) -> None:
         engine.scheduler.shutdown()
     assert engine.labelled[TieringMetrics.HINTS, ("taken",)] == 3
     assert engine.labelled[TieringMetrics.HINTS, ("malformed",)] == 1
-    registry = prometheus_client.CollectorRegistry()
-    kinds = {
-        kind: functools.partial(kind, registry=registry)
-        for kind in (
-            prometheus_client.Gauge,
-            prometheus_client.Counter,
-            prometheus_client.Histogram,
-        )
-    }
-    metrics = OffloadPromMetrics(engine.vllm_config, kinds, ["engine"], {0: ["0"]})
-    for payload in engine.payloads:
-        metrics.observe(payload, 0)
-    text = prometheus_client.generate_latest(registry).decode()
+    text = prometheus_text(engine)
     assert 'vllm:kv_offload_tiering_hints_total{engine="0",outcome="taken"} 3.0' in text
     assert 'vllm:kv_offload_tiering_hints_total{engine="0",outcome="malformed"} 1.0' in text
     assert 'vllm:kv_offload_tiering_hints_total{engine="0",outcome="unknown_version"} 0.0' in text
@@ -346,12 +337,7 @@ def test_a_retained_waiting_requests_chunks_are_promoted_ahead_of_the_others(
     schedules it (the step after the tier's answer), and the last one looked up is
     recomputed instead; unless the CPU tier measured retentions wrong (``distrusted``):
     then the hint ranks nothing."""
-    entry = {
-        "type": "DiskSecondaryTier",
-        "module_path": "tiering.integrations.vllm",
-        "path": str(tmp_path / "disk"),
-        "capacity_bytes": 512 * CHUNK,
-    }
+    entry = disk_entry(tmp_path / "disk", 512 * CHUNK)
     engine = make_engine(model, "TieringSpec", secondary_tiers=[entry])
     engine.attach_model()  # vLLM's worker connector moves real bytes (the tier needs rows)
     sizes = {"x1": 24, "x2": 24, "a": 20}
@@ -418,12 +404,7 @@ def test_a_hinted_requests_chunks_reach_the_tier_below_with_its_hint(
     """The write-throughs of a retained and of a released request carry their hint to
     the disk tier (``write_hinted``: its index spares or releases them); an unhinted
     request's and a malformed one's are plain writes."""
-    entry = {
-        "type": "DiskSecondaryTier",
-        "module_path": "tiering.integrations.vllm",
-        "path": str(tmp_path / "disk"),
-        "capacity_bytes": 256 * CHUNK,
-    }
+    entry = disk_entry(tmp_path / "disk", 256 * CHUNK)
     engine = make_engine(model, "TieringSpec", secondary_tiers=[entry])
     engine.attach_model()
     try:
@@ -452,12 +433,7 @@ def test_a_prefix_found_in_the_cpu_tier_gets_the_requests_retention_in_the_tier_
     there: nothing is written down again, so the values the disk tier holds get the
     turn's retention when it ends (one call, not a write); without a hint, or with a
     release (the prefix may be other conversations' too), no call."""
-    entry = {
-        "type": "DiskSecondaryTier",
-        "module_path": "tiering.integrations.vllm",
-        "path": str(tmp_path / "disk"),
-        "capacity_bytes": 256 * CHUNK,
-    }
+    entry = disk_entry(tmp_path / "disk", 256 * CHUNK)
     engine = make_engine(model, "TieringSpec", secondary_tiers=[entry])
     engine.attach_model()
     try:

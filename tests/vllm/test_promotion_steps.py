@@ -40,7 +40,15 @@ from vllm.v1.kv_offload.base import LookupResult, make_offload_key
 import tiering.integrations.vllm as integration
 
 from ..secondary import conftest as secondary
-from .harness import Engine, attention_spec, build_engine, tiering_extra, write_model
+from .harness import (
+    Engine,
+    attention_spec,
+    build_engine,
+    disk_entry,
+    redis_entry,
+    tiering_extra,
+    write_model,
+)
 
 redis_server = secondary.redis_server
 
@@ -62,14 +70,12 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tier_entry(request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, Any]:
     """The ``secondary_tiers`` entry of the test's tier: one namespace, or one folder."""
     kind = request.param
-    base = {"type": kind, "module_path": "tiering.integrations.vllm"}
     if kind == "RedisSecondaryTier":
         server = request.getfixturevalue("redis_server")
-        return {**base, "url": server.url, "namespace": f"steps-{uuid.uuid4().hex}"}
+        return redis_entry(server.url, namespace=f"steps-{uuid.uuid4().hex}")
     if not hasattr(integration, kind):
         pytest.fail(f"tiering.integrations.vllm has no {kind}")
-    folder = tmp_path / "tier"
-    return {**base, "path": str(folder), "capacity_bytes": 4 * PREFIX_CHUNKS * CHUNK}
+    return disk_entry(tmp_path / "tier", 4 * PREFIX_CHUNKS * CHUNK)
 
 
 def make_engine(model: Path, spec: str, entry: dict[str, Any], tp: int = 1) -> Engine:
@@ -251,12 +257,7 @@ def test_the_first_lookup_of_a_step_settles_promotions_before_the_cpu_tier_answe
     """Before: `TieringSpec`'s link collected finished promotions only at the step's end,
     so a promotion read while the model ran was still pending in the next step's lookups
     and the load went out a step later than under vLLM's own manager."""
-    entry = {
-        "type": "RedisSecondaryTier",
-        "module_path": "tiering.integrations.vllm",
-        "url": redis_server.url,
-        "namespace": f"steps-{os.getpid()}-{uuid.uuid4().hex}",
-    }
+    entry = redis_entry(redis_server.url, namespace=f"steps-{os.getpid()}-{uuid.uuid4().hex}")
     store_prefix(model, "TieringSpec", entry, watch)
     engine = make_engine(model, "TieringSpec", entry)
     try:

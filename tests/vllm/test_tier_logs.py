@@ -26,7 +26,8 @@ from tiering.secondary.base import TierCounters
 from ..secondary import conftest as secondary
 from ..secondary.conftest import ACL_USER, free_port
 from . import test_tp as tp_tests
-from .harness import Engine
+from .harness import Engine, disk_entry, redis_entry
+from .test_disk_tier import disk_tier
 from .test_disk_tier import make_engine as make_disk_engine
 from .test_redis_tier import make_engine
 from .test_redis_tier import model as model  # a fixture
@@ -176,6 +177,44 @@ def test_a_disk_folder_that_cannot_be_used_is_one_warning_with_why_and_what_to_c
         assert "lookups miss" in message
 
 
+def test_a_tier_raising_the_same_error_at_every_call_is_one_line_and_every_call_counted(
+    model, tmp_path
+):
+    """A bug in a tier (a call that raises) hit at every step is said once, with its
+    traceback; a different error is said again; each failed call is counted."""
+    raised: list[Exception] = []
+
+    async def contains(keys: list[Any]) -> list[bool]:
+        raise raised[-1]
+
+    with vllm_logging() as log:
+        engine = make_disk_engine(model, tmp_path / "cache")
+        tier = disk_tier(engine)
+        try:
+            run(engine, *prompts(1000, 1))
+            settle(engine)
+            tier._tier.contains = contains  # type: ignore[union-attr, method-assign]
+            raised.append(RuntimeError("a bug in the tier's lookup"))
+            for start in (10_000, 20_000, 30_000):
+                run(engine, *prompts(start, 2))
+                settle(engine)
+            same = tier.statistics().unexpected_errors
+            raised.append(KeyError("another bug"))
+            run(engine, *prompts(40_000, 2))
+            settle(engine)
+            statistics = tier.statistics()
+        finally:
+            engine.manager.shutdown()
+    assert same >= 3  # every lookup that raised, counted
+    assert statistics.unexpected_errors > same
+    assert statistics.last_unexpected_error == "KeyError: 'another bug'"
+    said = [line for line in log.records if "failed unexpectedly" in line.message]
+    assert len(said) == 2, log.text
+    assert "Traceback" in log.text
+    assert log.text.count("a bug in the tier's lookup") == 1, log.text  # with its traceback
+    assert "another bug" in log.text
+
+
 def test_losses_are_said_once_an_interval_with_the_counts_since_the_last():
     report = LossReport(interval_s=60.0)
     assert report.take({"not written (down)": 0}, now=0.0) is None  # nothing lost
@@ -238,11 +277,11 @@ def test_at_tp_2_a_change_of_a_tiers_state_is_one_line_not_one_per_rank(
     """Each rank has its own adapter over its own connection or folder; the log says each
     change once (rank 0's), while each rank's statistics keep its own state."""
     if kind == "redis":
-        entry = tp_tests.redis_entry(own_redis_server.url, "tp2-logs")
-        entry.update(backoff_s=[0.01, 0.05], timeout_s=1.0)
+        entry = redis_entry(
+            own_redis_server.url, namespace="tp2-logs", backoff_s=[0.01, 0.05], timeout_s=1.0
+        )
     else:
-        entry = tp_tests.disk_entry(tmp_path / "cache", tp=2)
-        entry["backoff_s"] = [0.01, 0.05]
+        entry = disk_entry(tmp_path / "cache", tp_tests.disk_room(2), backoff_s=[0.01, 0.05])
     with vllm_logging() as log:
         engine = tp_tests.make_engine(model, 2, [entry])
         try:

@@ -22,14 +22,22 @@ pytest.importorskip("vllm")
 from tiering.integrations.vllm.link import CascadeMetrics
 
 from ..secondary import conftest as secondary
-from .harness import Engine, attention_spec, build_engine, tiering_extra, write_model
+from .harness import (
+    Engine,
+    attention_spec,
+    build_engine,
+    disk_entry,
+    prometheus_text,
+    redis_entry,
+    tiering_extra,
+    write_model,
+)
 from .test_spec_secondary import _keys_of
 
 redis_server = secondary.redis_server
 
 PROMPT_A = list(range(1, 257))  # 16 blocks: a quarter of the CPU tier
 OTHERS = [list(range(1000 * i + 1, 1000 * i + 257)) for i in range(1, 5)]  # the other 3/4, +A
-MODULE = "tiering.integrations.vllm"
 
 
 @pytest.fixture(scope="module")
@@ -42,24 +50,16 @@ def chunk_bytes(tp: int) -> int:
     return attention_spec(tp=tp).page_size_bytes * 2 * tp
 
 
-def redis_entry(url: str, namespace: str) -> dict[str, Any]:
-    return {"type": "RedisSecondaryTier", "module_path": MODULE, "url": url, "namespace": namespace}
-
-
-def disk_entry(folder: Path, tp: int) -> dict[str, Any]:
-    return {
-        "type": "DiskSecondaryTier",
-        "module_path": MODULE,
-        "path": str(folder),
-        "capacity_bytes": 256 * chunk_bytes(tp),  # every value (and its header) fits
-    }
+def disk_room(tp: int) -> int:
+    """A disk tier's capacity in which every value (and its header) fits."""
+    return 256 * chunk_bytes(tp)
 
 
 def tiers_of(kind: str, tp: int, url: str, folder: Path, namespace: str) -> list[dict[str, Any]]:
     return {
-        "redis": [redis_entry(url, namespace)],
-        "disk": [disk_entry(folder, tp)],
-        "disk+redis": [disk_entry(folder, tp), redis_entry(url, namespace)],
+        "redis": [redis_entry(url, namespace=namespace)],
+        "disk": [disk_entry(folder, disk_room(tp))],
+        "disk+redis": [disk_entry(folder, disk_room(tp)), redis_entry(url, namespace=namespace)],
     }[kind]
 
 
@@ -141,7 +141,7 @@ def test_a_prefix_found_in_the_cpu_tier_gets_the_requests_retention_on_every_ran
 ):
     """The next turn, retained, finds its prefix in the CPU tier: each rank's disk tier
     gets the retention for the values it holds (nothing is written again)."""
-    engine = make_engine(model, 2, [disk_entry(tmp_path / "disk", 2)])
+    engine = make_engine(model, 2, [disk_entry(tmp_path / "disk", disk_room(2))])
     try:
         assert run(engine, PROMPT_A) == 0
         engine.run()  # the write-throughs land
@@ -165,14 +165,17 @@ def test_a_second_scheduler_on_the_same_redis_namespace_hits_what_the_first_stor
     """And with a disk above it: the chunks come from Redis (its label counts them), and
     are written up to the new server's disk."""
     namespace = f"shared-{os.getpid()}-{tmp_path.name}"
-    first = make_engine(model, tp, [redis_entry(redis_server.url, namespace)])
+    first = make_engine(model, tp, [redis_entry(redis_server.url, namespace=namespace)])
     try:
         assert run(first, PROMPT_A) == 0
         first.run()
         assert first.manager.link.statistics()["cascade_written"] == 16
     finally:
         close(first)
-    tiers = [disk_entry(tmp_path / "disk", tp), redis_entry(redis_server.url, namespace)]
+    tiers = [
+        disk_entry(tmp_path / "disk", disk_room(tp)),
+        redis_entry(redis_server.url, namespace=namespace),
+    ]
     second = make_engine(model, tp, tiers)
     link = second.manager.link
     try:
@@ -196,7 +199,9 @@ def test_a_value_missing_or_damaged_for_one_rank_is_a_miss_for_the_chunk(
     model, redis_server, tmp_path, fault
 ):
     tp = 2
-    engine = make_engine(model, tp, [redis_entry(redis_server.url, f"fault-{tmp_path.name}")])
+    engine = make_engine(
+        model, tp, [redis_entry(redis_server.url, namespace=f"fault-{tmp_path.name}")]
+    )
     link = engine.manager.link
     client = redis_server.client()
     try:
@@ -230,7 +235,9 @@ def test_a_worker_whose_pool_is_not_on_this_host_is_one_error_and_the_cpu_tier_s
     from tiering.integrations.vllm.spec import _shm_name
     from tiering.transfer.memory import SHM_DIR
 
-    engine = make_engine(model, 2, [redis_entry(redis_server.url, f"away-{tmp_path.name}")])
+    engine = make_engine(
+        model, 2, [redis_entry(redis_server.url, namespace=f"away-{tmp_path.name}")]
+    )
     spec = engine.models[1].connector.connector_worker.spec
     tag = f"{_shm_name(spec.config, 1)}-row"
     (away,) = [name for name in os.listdir(SHM_DIR) if tag in name]
@@ -253,13 +260,6 @@ def test_vllms_prometheus_metrics_show_each_tiers_counts_under_its_tier_label(
 ):
     """Through vLLM's own `OffloadPromMetrics` (what ``vllm serve``'s /metrics renders),
     over the metric definitions `TieringSpec` declares."""
-    import functools
-
-    import prometheus_client
-    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
-        OffloadPromMetrics,
-    )
-
     tiers = tiers_of("disk+redis", 2, redis_server.url, tmp_path / "disk", f"prom-{tmp_path.name}")
     engine = make_engine(model, 2, tiers)
     try:
@@ -267,19 +267,7 @@ def test_vllms_prometheus_metrics_show_each_tiers_counts_under_its_tier_label(
         assert run(engine, PROMPT_A) == 256
     finally:
         close(engine)
-    registry = prometheus_client.CollectorRegistry()
-    kinds = {
-        kind: functools.partial(kind, registry=registry)
-        for kind in (
-            prometheus_client.Gauge,
-            prometheus_client.Counter,
-            prometheus_client.Histogram,
-        )
-    }
-    metrics = OffloadPromMetrics(engine.vllm_config, kinds, ["engine"], {0: ["0"]})
-    for payload in engine.payloads:
-        metrics.observe(payload, 0)
-    text = prometheus_client.generate_latest(registry).decode()
+    text = prometheus_text(engine)
     disk, redis = (
         '{engine="0",tier="1:DiskSecondaryTier"}',
         '{engine="0",tier="2:RedisSecondaryTier"}',
@@ -346,7 +334,9 @@ def test_kv_events_announce_each_chunk_once_every_rank_wrote_it(model, redis_ser
     from vllm.v1.kv_offload.base import Medium
 
     tp = 2
-    entry = {**redis_entry(redis_server.url, f"events-{tmp_path.name}"), "enable_kv_events": True}
+    entry = redis_entry(
+        redis_server.url, namespace=f"events-{tmp_path.name}", enable_kv_events=True
+    )
     extra = tiering_extra(64 * chunk_bytes(tp), eviction_policy="lru", secondary_tiers=[entry])
     events = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     engine = build_engine(model, extra, tp=tp, kv_events=events)

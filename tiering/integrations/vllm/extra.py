@@ -44,6 +44,7 @@ __all__ = [
     "RedisEntryOptions",
     "TieringSpecKeys",
     "entry_auth_key",
+    "extra_key",
     "redis_options",
     "remote_namespace",
     "spec_keys",
@@ -290,20 +291,20 @@ class TieringSpecKeys(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
                 _vllm_int(key, getattr(self, key))
         if self.cpu_bytes_to_use is None:
             raise ConfigError(
-                f"{_where('cpu_bytes_to_use')} is missing; TieringSpec needs the host bytes of "
+                f"{extra_key('cpu_bytes_to_use')} is missing; TieringSpec needs the host bytes of "
                 "its CPU tier, e.g. 8000000000 for 8 GB"
             )
         if _vllm_int("store_threshold", self.store_threshold) not in (0, 1):
             raise ConfigError(
-                f"{_where('store_threshold')}={self.store_threshold!r}: TieringSpec stores every "
-                "chunk it is offered (its policies decide what stays); remove store_threshold, "
-                "or use vLLM's CPUOffloadingSpec for admission by reuse count"
+                f"{extra_key('store_threshold')}={self.store_threshold!r}: TieringSpec stores "
+                "every chunk it is offered (its policies decide what stays); remove "
+                "store_threshold, or use vLLM's CPUOffloadingSpec for admission by reuse count"
             )
         policy = self.eviction_policy.removesuffix("CachePolicy")
         if policy != self.eviction_policy and policy.lower() in POLICY_NAMES:
             # vLLM's CPUOffloadingSpec reads this key as the name of one of its policies
             raise ConfigError(
-                f"{_where('eviction_policy')} is {self.eviction_policy!r}, a policy class of "
+                f"{extra_key('eviction_policy')} is {self.eviction_policy!r}, a policy class of "
                 f"vLLM's CPUOffloadingSpec; TieringSpec takes tiering's names: write "
                 f"{policy.lower()!r}"
             )
@@ -311,7 +312,7 @@ class TieringSpecKeys(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         _choice("transfer_backend", self.transfer_backend, _BACKENDS)
         if self.metrics_host is not UNSET and self.metrics_port is None:
             raise ConfigError(
-                f"{_where('metrics_host')} is {self.metrics_host!r} but metrics_port is not "
+                f"{extra_key('metrics_host')} is {self.metrics_host!r} but metrics_port is not "
                 "set, and without it no metrics are served: add metrics_port (e.g. 9100, or "
                 "0 for any free port), or remove metrics_host"
             )
@@ -328,7 +329,7 @@ class TieringSpecKeys(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         """One line for each of vLLM's keys set here that only another spec reads
         (`_OTHER_SPECS`): under `TieringSpec` it does nothing."""
         return tuple(
-            f"{_where(key)}={shown(getattr(self, key), key)} is read by {reader}, not by "
+            f"{extra_key(key)}={shown(getattr(self, key), key)} is read by {reader}, not by "
             "TieringSpec: it does nothing here (remove it, or use that spec)"
             for key, reader in _OTHER_SPECS.items()
             if getattr(self, key) is not None
@@ -360,7 +361,8 @@ def spec_keys(extra: Mapping[str, Any]) -> TieringSpecKeys:
     return decode(TieringSpecKeys, dict(extra), where=_EXTRA)
 
 
-def _where(key: str) -> str:
+def extra_key(key: str) -> str:
+    """How a message names ``key`` of vLLM's ``kv_connector_extra_config``."""
     return f"{_EXTRA}[{key!r}]"
 
 
@@ -375,7 +377,7 @@ def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
         return
     close = closest_key(value, choices, cutoff=0.6)
     hint = f"did you mean {close!r}? " if close else ""
-    raise ConfigError(f"{_where(key)} is {value!r}; {hint}choose one of {', '.join(choices)}")
+    raise ConfigError(f"{extra_key(key)} is {value!r}; {hint}choose one of {', '.join(choices)}")
 
 
 def remote_namespace(config: Any, row_bytes: int, namespace: str = "") -> RemoteNamespace:

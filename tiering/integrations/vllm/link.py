@@ -107,9 +107,6 @@ __all__ = ["CascadeMetrics", "SecondaryLink", "tier_label"]
 
 logger = logging.getLogger(__name__)
 
-#: Least seconds between two lines of chunks a tier below lost (per tier).
-WARN_EVERY_S = LOSS_REPORT_S
-
 
 def tier_label(index: int, tier_type: str) -> str:
     """vLLM's label of the tier at ``index`` below the CPU tier (0: the first), as its
@@ -218,7 +215,7 @@ class SecondaryLink:
         self._next_look = 0.0
         self._lookups = [[0, 0] for _ in self.labels]  # per tier: queries, hits
         self._reported: dict[tuple[str, str], int] = {}
-        self._losses = [LossReport(WARN_EVERY_S) for _ in self.labels]
+        self._losses = [LossReport(LOSS_REPORT_S) for _ in self.labels]
 
     @property
     def secondary(self) -> SecondaryTierManager | None:
@@ -529,6 +526,8 @@ class SecondaryLink:
         since the last line (`LossReport`, the tiers' own reporter)."""
         now = time.monotonic()
         for label, report in zip(self.labels, self._losses, strict=True):
+            if not report.due(now):
+                continue
             grown = report.take({name: counts[name, label] for name in _LOSSES}, now)
             if grown is None:
                 continue
@@ -546,14 +545,9 @@ class SecondaryLink:
         total: dict[str, int] = {}
         for index in picked:
             counts = self.flows.counts(index)
-            for name, count in (
-                ("cascade_written", counts.cascade_written),
-                ("cascade_dropped", counts.cascade_dropped),
-                ("cascade_failed", counts.cascade_failed),
-                ("promoted", counts.promoted),
-                ("promote_failed", counts.promote_failed + counts.promote_no_room),
-                ("cascade_pinned", counts.cascade_pinned),
-            ):
+            named = {_stat_name(name): n for name, n in _metrics_of(counts).items()}
+            named["cascade_pinned"] = counts.cascade_pinned
+            for name, count in named.items():
                 total[name] = total.get(name, 0) + count
         return total
 
@@ -577,3 +571,8 @@ def _metrics_of(counts: FlowCounts) -> dict[str, int]:
         CascadeMetrics.PROMOTED: counts.promoted,
         CascadeMetrics.PROMOTE_FAILED: counts.promote_failed + counts.promote_no_room,
     }
+
+
+def _stat_name(metric: str) -> str:
+    """`SecondaryLink.statistics`' name of a `CascadeMetrics` counter."""
+    return metric.removeprefix("vllm:kv_offload_tiering_")

@@ -378,7 +378,7 @@ class TieringOffloadingManager(OffloadingManager):
             out.set_gauge(TieringMetrics.HINT_FOLLOWING, int(self._tier.hints.following))
             now[TieringMetrics.HINT_RELEASED_EVICTED, ""] = hints.released_evicted_total
             now[TieringMetrics.HINT_RETENTION_OVERRIDDEN, ""] = hints.retention_overridden_total
-        for outcome, count in self.request_hints.counts.as_dict().items():
+        for outcome, count in self.request_hints.as_dict().items():
             now[TieringMetrics.HINTS, outcome] = count
         for (name, label), total in now.items():  # vLLM's counters add deltas
             delta = total - self._reported.get((name, label), 0)

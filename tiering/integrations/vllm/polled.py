@@ -143,8 +143,6 @@ class PolledSecondaryTier(SecondaryTierManager):
     metric_prefix: ClassVar[str]
     #: Its metrics' help on refusals: what refusals look like on this store.
     refusal_examples: ClassVar[str] = "OOM, READONLY, ENOSPC..."
-    #: Least seconds between two lines of losses (a test sets it on the instance).
-    loss_report_s: float = LOSS_REPORT_S
 
     def __init__(
         self,
@@ -401,8 +399,9 @@ class PolledSecondaryTier(SecondaryTierManager):
     ) -> _T:
         """``await call(tier)`` once the tier has started, or ``failed`` if it is unusable
         (the ``chunks`` of a write counted as dropped) or the call raised: the tiers count
-        their failures and answer them as values, so an exception is a bug (logged,
-        counted)."""
+        their failures and answer them as values, so an exception is a bug (counted every
+        time; logged with its traceback when it differs from the last one, so a bug hit
+        at every step is one line, not one per step)."""
         await self._started.wait()
         if self.unusable is not None or self._tier is None:
             self._late_drops += chunks
@@ -410,10 +409,19 @@ class PolledSecondaryTier(SecondaryTierManager):
         try:
             return await call(self._tier)
         except Exception as exc:
-            logger.exception("%s %s failed unexpectedly", self.store, what)
-            # The loop thread's alone to change; the scheduler side only reads it.
+            description = describe(exc)
+            if description != self._last_unexpected:
+                logger.exception(
+                    "%s %s failed unexpectedly; the same error again is counted in %s%s, "
+                    "not logged",
+                    self.store,
+                    what,
+                    self.metric_prefix,
+                    FAILURES,
+                )
+            # The loop thread's alone to change; the scheduler side only reads them.
             self._unexpected += 1
-            self._last_unexpected = describe(exc)
+            self._last_unexpected = description
             return failed
         finally:
             self._latest = self._snapshot()
@@ -487,6 +495,15 @@ class PolledSecondaryTier(SecondaryTierManager):
 
     # -- seeing state -----------------------------------------------------------
 
+    @property
+    def loss_report_s(self) -> float:
+        """Least seconds between two lines of losses (`LOSS_REPORT_S`; a test sets it)."""
+        return self._report.losses.interval_s
+
+    @loss_report_s.setter
+    def loss_report_s(self, seconds: float) -> None:
+        self._report.losses.interval_s = seconds
+
     def _statistics(self) -> dict[str, Any]:
         """The adapter's counts, as `PolledTierStatistics`' fields."""
         return {
@@ -508,8 +525,10 @@ class PolledSecondaryTier(SecondaryTierManager):
 
     def _report_losses(self) -> None:
         """One line, at most every ``loss_report_s``, of what was lost since the last."""
-        self._report.losses.interval_s = self.loss_report_s
-        lost = self._report.lost(self._latest, self._dropped_by_reason(), time.monotonic())
+        now = time.monotonic()
+        if not self._report.losses.due(now):  # most steps: nothing to gather
+            return
+        lost = self._report.lost(self._latest, self._dropped_by_reason(), now)
         if lost is not None:
             logger.warning(
                 "secondary tier %r (%s at %s) lost, since its last report: %s; counted in "

@@ -6,11 +6,10 @@ and ``kv_hints`` and a scratch space keyed by type "so a tier can parse
 kv_transfer_params and kv_hints once". `RequestHints.of` reads a request's
 hint the first time it is asked (`tiering.hints.HintReader`: never raises; a
 fault is counted and said once per kind through ``warn``) and keeps the result
-in that scratch space, so later calls for the request cost a dict lookup. A
-hint that says something (a retention or a release) is also kept there as the
-`tiering.hints.Hint` itself. The tiers below take it as read by the first
-component that did (`RequestHints.given`), and read it themselves under vLLM's own
-manager and policy, which read no hint (`tiering.integrations.vllm.polled`).
+in that scratch space, so later calls for the request cost a dict lookup. The
+tiers below take it as read by the first component that did
+(`RequestHints.given`), and read it themselves under vLLM's own manager and
+policy, which read no hint (`tiering.integrations.vllm.polled`).
 """
 
 from __future__ import annotations
@@ -46,8 +45,6 @@ class RequestHints:
             hint = self._reader.read(req_context.kv_transfer_params, req_context.kv_hints)
             state = _Read(owner=self, hint=hint)
             req_context.set_state(state)
-            if hint is not None and not hint.empty:  # for the tiers below (their writes)
-                req_context.set_state(hint)
         return state.hint
 
     def given(self, req_context: Any) -> Hint | None:
@@ -60,8 +57,12 @@ class RequestHints:
     @property
     def counts(self) -> HintCounts:
         """What the channels carried (a copy): hints taken, ignored, refused."""
-        return HintCounts(**self._reader.counts.as_dict())
+        return HintCounts(**self.as_dict())
+
+    def as_dict(self) -> dict[str, int]:
+        """What the channels carried, by outcome (a fresh dict)."""
+        return self._reader.counts.as_dict()
 
     def __repr__(self) -> str:
-        counts = ", ".join(f"{n} {name}" for name, n in self._reader.counts.as_dict().items())
+        counts = ", ".join(f"{n} {name}" for name, n in self.as_dict().items())
         return f"<RequestHints [{counts}]>"

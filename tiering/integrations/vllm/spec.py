@@ -82,7 +82,7 @@ from tiering.config import DEFAULT_POLICY
 from tiering.cpu.common import CPUOffloadingInfo as TieringCPUInfo
 from tiering.cpu.manager import ManagerStatistics
 from tiering.errors import ConfigError
-from tiering.integrations.vllm.extra import TieringSpecKeys, spec_keys
+from tiering.integrations.vllm.extra import TieringSpecKeys, extra_key, spec_keys
 from tiering.integrations.vllm.link import CascadeMetrics, tier_label
 from tiering.integrations.vllm.logs import adopt_vllm_logging
 from tiering.integrations.vllm.manager import TieringMetrics, TieringOffloadingManager
@@ -175,7 +175,7 @@ def _secondary_entries(extra: Mapping[str, Any]) -> list[dict[str, Any]]:
     tiers = extra.get("secondary_tiers")
     if not tiers:
         return []
-    where = _where("secondary_tiers")
+    where = extra_key("secondary_tiers")
     tiers = decode(list[dict[str, Any]], tiers, where=where)
     entries: list[dict[str, Any]] = []
     for index, given in enumerate(tiers):
@@ -224,10 +224,6 @@ def _shm_name(config: OffloadingConfig, rank: int | None = None) -> str:
     is ``tiering-<pid>-<tag>-row<row bytes>`` (`shm_file_name`)."""
     engine = "".join(c if c.isalnum() or c in "-_" else "_" for c in config.engine_id)
     return f"{engine}-rank{config.parallel.rank if rank is None else rank}"
-
-
-def _where(key: str) -> str:
-    return f"kv_connector_extra_config[{key!r}]"
 
 
 class TieringSpec(OffloadingSpec):
@@ -283,7 +279,7 @@ class TieringSpec(OffloadingSpec):
         self.keys = spec_keys(extra)
         if self.keys.canonical_layout or config.canonical_layout:
             raise ConfigError(
-                f"{_where('canonical_layout')} is set, but TieringSpec stores each worker's "
+                f"{extra_key('canonical_layout')} is set, but TieringSpec stores each worker's "
                 "pages as they are, not vLLM's canonical (parallelism-free) layout; remove "
                 "canonical_layout, or use vLLM's CPUOffloadingSpec"
             )
@@ -304,7 +300,7 @@ class TieringSpec(OffloadingSpec):
         self.num_chunks = cpu_bytes // self.kv_bytes_per_chunk if per_chunk else 0
         if per_chunk and self.num_chunks < 1:
             raise ConfigError(
-                f"{_where('cpu_bytes_to_use')}={cpu_bytes} holds no chunk: one chunk is "
+                f"{extra_key('cpu_bytes_to_use')}={cpu_bytes} holds no chunk: one chunk is "
                 f"{self.kv_bytes_per_chunk} bytes ({self.blocks_per_chunk} blocks of "
                 f"{config.worker_kv_bytes_per_block} bytes on each of {world_size} workers); "
                 f"give at least {self.kv_bytes_per_chunk}"
@@ -335,7 +331,6 @@ class TieringSpec(OffloadingSpec):
                     "(OffloadingConfig.worker_kv_bytes_per_block is 0), so the CPU tier "
                     "cannot be sized"
                 )
-            metrics = self._metrics_port()  # refused before anything is built
             for line in self.keys.unread:  # once, from the scheduler (not once per worker)
                 logger.warning("%s", line)
             self._manager = TieringOffloadingManager(
@@ -352,8 +347,8 @@ class TieringSpec(OffloadingSpec):
                 ],
                 on_shutdown=self._close_scheduler_side,
             )
-            if metrics is not None:
-                self._serve_metrics(self._manager, *metrics)
+            if self.keys.metrics_address is not None:
+                self._serve_metrics(self._manager, *self.keys.metrics_address)
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
@@ -455,10 +450,6 @@ class TieringSpec(OffloadingSpec):
             for tier in ranks:
                 tier.shutdown()
             raise
-
-    def _metrics_port(self) -> tuple[str, int] | None:
-        """``metrics_port`` (and ``metrics_host``, loopback by default), checked."""
-        return self.keys.metrics_address
 
     def _serve_metrics(self, manager: TieringOffloadingManager, host: str, port: int) -> None:
         """tiering's own occupancy gauges (its dashboards' names) on ``host:port``."""

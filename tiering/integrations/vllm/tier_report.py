@@ -120,11 +120,17 @@ class LossReport:
         self._said: dict[str, int] = {}
         self._said_at = -float("inf")
 
+    def due(self, now: float) -> bool:
+        """Whether a line may be said now (the interval since the last one has passed)."""
+        return now >= self._said_at + self.interval_s
+
     def take(self, totals: Mapping[str, int], now: float) -> dict[str, int] | None:
         """The counts that grew since the last line (by name), if a line is due now."""
+        if not self.due(now):
+            return None
         said = self._said
         grown = {k: v - said.get(k, 0) for k, v in totals.items() if v > said.get(k, 0)}
-        if not grown or now < self._said_at + self.interval_s:
+        if not grown:
             return None
         self._said, self._said_at = dict(totals), now
         return grown
@@ -144,6 +150,8 @@ class TierReport:
     def lost(self, now: SecondaryStatistics, dropped: Mapping[str, int], at: float) -> str | None:
         """The text of a losses line, if one is due (``dropped``: chunks the adapter
         failed itself, by reason)."""
+        if not self.losses.due(at):  # the common case, at every step: nothing to add up
+            return None
         totals: dict[str, int] = {}
         for what, counts in (
             ("not written", now.write_errors_by_reason),
