@@ -7,9 +7,8 @@ checkpoint."""
 from __future__ import annotations
 
 import json
-import urllib.error
+import logging
 import urllib.parse
-import urllib.request
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -44,9 +43,12 @@ RELEASE = Hint(release=True)
 VALUE = CHUNK_BYTES + 4096  # a value on the disk tier: its row and a 4 KiB head
 
 
+Tier = Callable[[RemoteNamespace], SecondaryTier]
+
+
 def engine_over(
     chunks: int,
-    tier: Callable[[RemoteNamespace], SecondaryTier] | None = None,
+    tier: Tier | Sequence[Tier] | None = None,
     *,
     policy: str = "lru",
     **options: Any,
@@ -336,6 +338,29 @@ async def test_a_tier_that_does_not_honour_hints_counts_them_ignored(anyio_backe
         assert tier.tier.hinted_total == 0
 
 
+async def test_a_tier_that_does_not_honour_hints_says_so_once_in_the_log(
+    anyio_backend: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    chain: list[Tier] = [
+        lambda ns: MemoryTier(ns, label="near"),
+        lambda ns: MemoryTier(ns, label="far"),
+    ]
+    with caplog.at_level(logging.WARNING, logger="tiering.secondary.cascade"):
+        async with engine_over(16, chain) as engine:
+            await run_request(engine, [1, 2, 3], store_hint=RETAIN)
+            await engine.hint(keys(1, 2), RELEASE)
+            await run_request(engine, [4], store_hint=RELEASE)
+            ignored = [tier.hints_ignored for tier in engine.statistics().tiers]
+    assert ignored == [6, 6]
+    said = [r.getMessage() for r in caplog.records if r.name == "tiering.secondary.cascade"]
+    assert sorted(said) == [  # once per tier, at its first dropped hint (the store's 3 chunks)
+        f"secondary tier memory ({label}) does not honour retention hints; 3 chunks' hints "
+        "ignored (counted in its statistics)"
+        for label in ("far", "near")
+    ]
+    assert all(r.levelno == logging.WARNING for r in caplog.records)
+
+
 BAD = [
     (Hint(retain_s=-1.0), r"> 0.0 - at `\$.retain_s`.*; a hint is a JSON object of retain_s"),
     (Hint(retain_s=5.0, release=True), "retain_s or release, not both"),
@@ -416,14 +441,8 @@ def test_the_server_example_takes_a_hint_header_and_refuses_a_bad_one(servers: A
 
     def generate(header: str) -> tuple[int, dict[str, Any]]:
         query = urllib.parse.urlencode({"prompt": PROMPT})
-        request = urllib.request.Request(
-            f"{server.url}/generate?{query}", headers={"X-Tiering-Hint": header}
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=60) as answer:
-                return answer.status, json.loads(answer.read())
-        except urllib.error.HTTPError as error:
-            return error.code, json.loads(error.read())
+        status, body = server.get(f"/generate?{query}", headers={"X-Tiering-Hint": header})
+        return status, json.loads(body)
 
     assert generate('{"retain_s": 600, "priority": 5}') == (200, {
         "blocks": 8, "cpu_hits": 0, "disk_hits": 0, "computed": 8, "loaded": False,

@@ -161,9 +161,10 @@ class Server:
         assert self.process.stdout is not None
         return self.process.stdout.readline()
 
-    def get(self, path: str) -> tuple[int, bytes]:
+    def get(self, path: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+        request = urllib.request.Request(self.url + path, headers=headers or {})
         try:
-            with urllib.request.urlopen(self.url + path, timeout=60) as answer:
+            with urllib.request.urlopen(request, timeout=60) as answer:
                 return answer.status, answer.read()
         except urllib.error.HTTPError as error:
             return error.code, error.read()

@@ -330,21 +330,27 @@ class TieringEngine:
         before get it from `hint`). A bad hint is refused (`HintError`) before
         anything is queued.
         """
-        hint = check_hint(hint)
+        return self._submit_store(keys, gpu, blocks, check_hint(hint))
+
+    def _submit_store(
+        self,
+        keys: Sequence[OffloadKey],
+        gpu: GPULoadStoreSpec,
+        blocks: Sequence[ChunkBlocks | None] | None,
+        hint: Hint | None,
+    ) -> JobHandle:
+        """`submit_store_nowait` with ``hint`` checked (`check_hint`)."""
         self._check_open()
         if hint is not None and hint.empty:
             hint = None
-        events, chain = self._events, self._chain
+        events = self._events
         if blocks is not None and events is not None:
             events.check(keys, blocks)
-        fresh = chain.landing_keys(keys, hint) if chain is not None else None
-        handle = self.scheduler.submit_nowait(STORE, keys, gpu)
+        handle = self.scheduler.submit_nowait(STORE, keys, gpu, hint=hint)
         if blocks is not None and events is not None:
             events.describe(manager_job(handle.job_id), keys, blocks)
         if hint is not None:
             self.manager.hint(keys, hint)
-        if fresh and chain is not None:
-            chain.hint_landing(fresh, hint)
         return handle
 
     def submit_load_nowait(self, keys: Sequence[OffloadKey], gpu: GPULoadStoreSpec) -> JobHandle:
@@ -362,9 +368,9 @@ class TieringEngine:
         all present, or no room), so a loop of them lets the loop run. ``hint``
         as for `submit_store_nowait` (a bad one refused before the checkpoint).
         """
-        hint = check_hint(hint)
+        checked = check_hint(hint)
         return await self.scheduler.submit_waiting(
-            STORE, lambda: self.submit_store_nowait(keys, gpu, blocks=blocks, hint=hint)
+            STORE, lambda: self._submit_store(keys, gpu, blocks, checked)
         )
 
     async def submit_load(self, keys: Sequence[OffloadKey], gpu: GPULoadStoreSpec) -> JobHandle:

@@ -14,6 +14,7 @@ import msgspec
 
 from tiering._types import OffloadKey, TransferDirection
 from tiering.errors import TransferError
+from tiering.hints import Hint
 from tiering.scheduler._plan import PlannedJob
 from tiering.specs import IntArray
 
@@ -101,6 +102,7 @@ class _Job(PlannedJob):
         "chunks",
         "done",
         "exception",
+        "hint",
         "id",
         "keys",
         "nbytes",
@@ -109,10 +111,17 @@ class _Job(PlannedJob):
         "submitted",
     )
 
-    def __init__(self, job_id: int, kind: TransferDirection, keys: tuple[OffloadKey, ...]) -> None:
+    def __init__(
+        self,
+        job_id: int,
+        kind: TransferDirection,
+        keys: tuple[OffloadKey, ...],
+        hint: Hint | None = None,
+    ) -> None:
         PlannedJob.__init__(self, kind)  # not super(): a job is made per submission
         self.id = job_id
-        self.keys = keys
+        self.keys = keys  # a store's: once prepared, those it writes (not those present)
+        self.hint = hint  # a store's retention hint, for the tiers below (`on_stored`)
         self.blocks: IntArray | None = None  # GPU blocks a store reads (for flush)
         self.chunks = 0
         self.nbytes = 0

@@ -47,6 +47,7 @@ from tiering.errors import (
     failure_text,
     transfer_error,
 )
+from tiering.hints import Hint
 from tiering.scheduler._jobs import (
     DirectionStatistics,
     JobHandle,
@@ -74,9 +75,9 @@ class Scheduler:
 
     ``backend_factory`` is called once, at `open`, with the completion
     callback the backend must call for every result. ``on_stored`` (if given)
-    is called with the keys of every store job that landed, once they are
-    ready. ``block_bytes[g]`` is the size of one block of group ``g`` over all
-    its tensors (for the budget).
+    is called with the keys every store job wrote, once they are ready, and the
+    hint it was submitted with (never for a store that failed). ``block_bytes[g]``
+    is the size of one block of group ``g`` over all its tensors (for the budget).
     Must be used from one event loop; `open` and `aclose` bracket its life.
     """
 
@@ -89,7 +90,7 @@ class Scheduler:
         block_bytes: Sequence[int],
         group_num_blocks: Sequence[int],
         limits: SchedulerLimits | None = None,
-        on_stored: Callable[[tuple[OffloadKey, ...]], object] | None = None,
+        on_stored: Callable[[tuple[OffloadKey, ...], Hint | None], object] | None = None,
     ) -> None:
         self._manager = manager
         self._on_stored = on_stored
@@ -181,9 +182,17 @@ class Scheduler:
         self._life.check_open("no new jobs")
 
     def submit_nowait(
-        self, kind: TransferDirection, keys: Sequence[OffloadKey], gpu: GPULoadStoreSpec
+        self,
+        kind: TransferDirection,
+        keys: Sequence[OffloadKey],
+        gpu: GPULoadStoreSpec,
+        *,
+        hint: Hint | None = None,
     ) -> JobHandle:
         """Queue a store or load of ``keys`` (one per chunk of ``gpu``); never waits.
+
+        A store's ``hint`` (checked by the caller) is handed to ``on_stored``
+        with the keys it wrote.
 
         Raises `anyio.WouldBlock` when the direction's queue is full, `SpecError`
         for a spec that does not fit the keys or the KV cache, the manager's
@@ -196,7 +205,7 @@ class Scheduler:
         if not plan.has_room(kind):
             raise anyio.WouldBlock
         nbytes = plan.check(kind, gpu, len(keys))
-        job = _Job(next(self._job_ids), kind, tuple(keys))
+        job = _Job(next(self._job_ids), kind, tuple(keys), hint)
         handle = JobHandle(job, self)
         if kind is TransferDirection.STORE:
             output = self._manager.prepare_store(keys, job=manager_job(job.id))
@@ -383,7 +392,7 @@ class Scheduler:
             self._manager.complete_store(job=manager_job(job.id), success=ok)
             if ok and self._on_stored is not None:
                 try:
-                    self._on_stored(job.keys)
+                    self._on_stored(job.keys, job.hint)
                 except Exception:  # the owner's hook: say so, never lose the job
                     logger.exception("scheduler: on_stored hook failed for job %d", job.id)
         else:

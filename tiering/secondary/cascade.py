@@ -39,7 +39,7 @@ from tiering._checks import check_int, is_int
 from tiering._closing import AsyncLifecycle
 from tiering._state import ResourceState
 from tiering._types import OffloadKey
-from tiering.cpu.flows import Flows, WriteTicket, default_pin_bound
+from tiering.cpu.flows import FlowCounts, Flows, WriteTicket, default_pin_bound
 from tiering.cpu.manager import CPUOffloadingManager
 from tiering.errors import ConfigError
 from tiering.hints import Hint
@@ -104,7 +104,11 @@ class SecondaryTierStatistics(msgspec.Struct, frozen=True, kw_only=True):
 
 
 #: The fields of `SecondaryTierStatistics` read from the tier's `FlowCounts`, by name.
-_FROM_FLOWS = SecondaryTierStatistics.__struct_fields__[2:-2]
+_FROM_FLOWS = tuple(
+    name
+    for name in SecondaryTierStatistics.__struct_fields__
+    if name in FlowCounts.__struct_fields__
+)
 
 
 class Promotion(msgspec.Struct, frozen=True):
@@ -159,7 +163,8 @@ class SecondaryCascade:
         self._send: MemoryObjectSendStream[WriteTicket] | None = None  # made by start
         self._idle: anyio.Event | None = None  # made by a waiter; set when nothing is pinned
         self._writers = 0  # write-through tasks still running
-        self._hints = [0, 0]  # chunks whose hint was handed to the tier, dropped
+        self._hints_sent = 0  # chunks whose hint was handed to the tier
+        self._hints_ignored = 0  # chunks whose hint was dropped (the tier ignores hints)
 
     @property
     def max_pinned(self) -> int:
@@ -289,11 +294,21 @@ class SecondaryCascade:
         await self.tier.hint(keys, hint)
 
     def _count_hint(self, chunks: int) -> bool:
-        """Count a hint for ``chunks`` chunks handed to the tier, or dropped; whether the
-        tier honours hints."""
-        honoured = self.tier.honours_hints
-        self._hints[0 if honoured else 1] += chunks
-        return honoured
+        """Count a hint for ``chunks`` chunks handed to the tier, or dropped (said once in
+        the log, at the first dropped); whether the tier honours hints."""
+        if self.tier.honours_hints:
+            self._hints_sent += chunks
+            return True
+        if not self._hints_ignored and chunks:
+            logger.warning(
+                "secondary tier %s (%s) does not honour retention hints; %d chunks' hints "
+                "ignored (counted in its statistics)",
+                self.tier.name,
+                self.tier.label,
+                chunks,
+            )
+        self._hints_ignored += chunks
+        return False
 
     # -- resets -----------------------------------------------------------------
 
@@ -312,13 +327,12 @@ class SecondaryCascade:
     def statistics(self) -> SecondaryTierStatistics:
         counts = msgspec.structs.asdict(self.flows.counts(self.index))
         flows = {name: counts[name] for name in _FROM_FLOWS}
-        sent, ignored = self._hints
         return SecondaryTierStatistics(
             tier=self.tier.statistics(),
             label=self.tier.label,
             **flows,
-            hints_sent=sent,
-            hints_ignored=ignored,
+            hints_sent=self._hints_sent,
+            hints_ignored=self._hints_ignored,
         )
 
     def __repr__(self) -> str:

@@ -13,14 +13,12 @@
   written through to the tiers above it that lacked it, so the next lookup
   finds it closer.
 
-Hints (`tiering.hints`): a store submitted with a retention hint leaves it with
-the chain (`hint_landing`) for the keys it writes; when they land, their
+Hints (`tiering.hints`): a store that lands hands the chain the keys it wrote
+with the retention hint it was submitted with (the scheduler's job carries it,
+see `Scheduler`'s ``on_stored``; a failed store hands nothing), and their
 write-through carries it to every tier (`SecondaryTier.write_hinted`). `hint`
 applies one to values the tiers hold already, one round trip per tier (a value
 whose write-through is still on its way gets its store's hint, not this one).
-The hints of stores not landed yet are held per key, at most about the CPU
-tier's capacity: a failed store's stays until the next store of its key
-replaces it (or drops it, without a hint), or the map reaches that size.
 
 Attribution: each tier counts what it gave (`SecondaryTierStatistics.promoted`),
 and a `Promotion` says how many chunks came from which tier, by label.
@@ -95,7 +93,6 @@ class TierChain:
         self.tiers = tuple(tiers)
         self._manager = manager
         self._row = row
-        self._landing: dict[OffloadKey, Hint] = {}  # hints of stores not landed yet
 
     # -- life: each cascade's --------------------------------------------------------
 
@@ -119,45 +116,11 @@ class TierChain:
         for cascade in self.cascades:
             await cascade.wait_idle()
 
-    def landing_keys(self, keys: Sequence[OffloadKey], hint: Hint | None) -> list[OffloadKey]:
-        """Before a store of ``keys`` with ``hint`` (or none) is submitted: those it may
-        write (the CPU tier lacks them), for `hint_landing`; none to record where there
-        is no hint and none is held."""
-        if hint is None and not self._landing:
-            return []
-        holds = self._manager.holds
-        return [key for key in keys if not holds(key)]
-
-    def hint_landing(self, fresh: Sequence[OffloadKey], hint: Hint | None) -> None:
-        """A store was submitted with ``hint`` (or none): those of ``fresh``
-        (`landing_keys`) it writes carry it to every tier when they land (`stored`).
-        Only its own: another store's keys in flight keep that store's hint, and
-        one that failed leaves no hint to a later store of the same keys."""
-        manager, landing = self._manager, self._landing
-        for key in fresh:
-            if manager.holds(key) and not manager.holds(key, ready=True):
-                if hint is None:
-                    landing.pop(key, None)
-                else:
-                    landing[key] = hint
-        if len(landing) > manager.capacity:  # failed stores left theirs: drop those
-            for key in [k for k in landing if manager.holds(k, ready=True) or not manager.holds(k)]:
-                del landing[key]
-
-    def stored(self, keys: tuple[OffloadKey, ...]) -> None:
-        """A store of ``keys`` landed in the CPU tier: queue it to every tier (with the
-        hint its store was submitted with, if any: a batch split by hint)."""
-        landing = self._landing
-        if not landing:
-            for cascade in self.cascades:
-                cascade.stored(keys)
-            return
-        batches: dict[Hint | None, list[OffloadKey]] = {}
-        for key in keys:
-            batches.setdefault(landing.pop(key, None), []).append(key)
-        for hint, batch in batches.items():
-            for cascade in self.cascades:
-                cascade.stored(tuple(batch), hint)
+    def stored(self, keys: tuple[OffloadKey, ...], hint: Hint | None = None) -> None:
+        """A store of ``keys`` with ``hint`` (or none) landed in the CPU tier: queue them
+        to every tier, with the hint."""
+        for cascade in self.cascades:
+            cascade.stored(keys, hint)
 
     async def hint(self, keys: Sequence[OffloadKey], hint: Hint) -> None:
         """Apply ``hint`` to the values of ``keys`` every tier holds (one round trip per
@@ -173,7 +136,6 @@ class TierChain:
     def tier_reset(self) -> None:
         """The CPU tier was reset: every write-through and promotion out is void."""
         self.flows.reset()
-        self._landing.clear()
 
     # -- promotion --------------------------------------------------------------------
 

@@ -50,7 +50,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from tiering._types import OffloadKey
 from tiering.hints import Hint
-from tiering.policies import CachePolicy
+from tiering.policies import CachePolicy, create_policy
 from tiering.policies.hints import DEFAULT_HINT_SHARE, HintBook
 from tiering.secondary.disk.layout import WriteOutcome
 
@@ -96,24 +96,28 @@ class Settled:
 
 class DiskIndex:
     """The index of one disk tier: at most ``capacity_bytes`` of values (less while the
-    file system holds less: `fit`), evicted in ``policy``'s order. ``value_bytes(key)``
+    file system holds less: `fit`), evicted in ``policy``'s order (a policy, or the name
+    of one to make for the values the capacity holds). ``value_bytes(key)``
     is the size of ``key``'s value file; ``announce(keys)`` is told of every value that
     leaves the index (evicted, lost or forgotten). Retained values hold at most
     ``hint_share`` of it (see the module's note)."""
 
     def __init__(
         self,
-        policy: CachePolicy,
+        policy: CachePolicy | str,
         capacity_bytes: int,
         value_bytes: Callable[[OffloadKey], int],
         announce: Callable[[Sequence[OffloadKey]], None],
         *,
         hint_share: float = DEFAULT_HINT_SHARE,
     ) -> None:
-        self.policy = policy
-        chunks = max(1, capacity_bytes // value_bytes(_PLAIN_KEY))
+        #: The bytes of one value (with the engine's 16-byte keys).
+        self.unit = value_bytes(_PLAIN_KEY)
+        #: How many values the configured capacity holds (at least one).
+        self.chunks = max(1, capacity_bytes // self.unit)
+        self.policy = create_policy(policy, self.chunks) if isinstance(policy, str) else policy
         #: The retention hints of the values held (`tiering.policies.hints`).
-        self.hints = HintBook(chunks, share=hint_share)
+        self.hints = HintBook(self.chunks, share=hint_share)
         self.capacity_bytes = capacity_bytes
         #: What the tier holds at most now: the configured capacity, or less where its
         #: file system holds less (see `fit`).
@@ -136,11 +140,6 @@ class DiskIndex:
 
     def __len__(self) -> int:
         return len(self.sizes)
-
-    @property
-    def unit(self) -> int:
-        """The bytes of one value (with the engine's 16-byte keys)."""
-        return self.value_bytes(_PLAIN_KEY)
 
     # -- what a scan found ----------------------------------------------------------------
 

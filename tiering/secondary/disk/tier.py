@@ -97,7 +97,7 @@ from tiering._types import Medium, OffloadKey
 from tiering.config import DEFAULT_POLICY
 from tiering.errors import ConfigError
 from tiering.hints import Hint
-from tiering.policies import CachePolicy, create_policy
+from tiering.policies import CachePolicy
 from tiering.policies.hints import DEFAULT_HINT_SHARE
 from tiering.secondary._threads import ThreadCalls
 from tiering.secondary.auth import AuthKey
@@ -228,8 +228,12 @@ class DiskTier(DiskShell):
             raise ConfigError(f"fsync must be one of {', '.join(FSYNC_POLICIES)}, got {fsync!r}")
         self._calls = ThreadCalls(max_concurrency, timeout_s, capture=(OSError, ConfigError))
         self.codec = ChunkCodec(namespace, checksum, auth_key)
-        value = self._value_bytes(OffloadKey(bytes(16)))
         capacity_bytes = check_int("capacity_bytes", capacity_bytes)
+        self._index = DiskIndex(
+            policy, capacity_bytes, self._value_bytes, self._removed, hint_share=hint_share
+        )
+        self.policy = self._index.policy
+        value = self._index.unit
         if capacity_bytes < value:
             raise ConfigError(
                 f"capacity_bytes={capacity_bytes:,} holds no value: one chunk takes "
@@ -241,11 +245,6 @@ class DiskTier(DiskShell):
         self._measured_at = -float("inf")  # when a write last measured free space
         self.read_only = read_only
         self.touch_reads = touch_reads
-        chunks = max(1, capacity_bytes // value)
-        self.policy = create_policy(policy, chunks) if isinstance(policy, str) else policy
-        self._index = DiskIndex(
-            self.policy, capacity_bytes, self._value_bytes, self._removed, hint_share=hint_share
-        )
         self._files = DiskFiles(
             self.path, self.codec, fsync=fsync, direct=False, read_only=read_only,
             file_mode=file_mode,

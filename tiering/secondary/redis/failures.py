@@ -124,7 +124,7 @@ def config_error(url: str, exc: BaseException, password: str | None = None) -> C
     if isinstance(exc, e.permission):
         return ConfigError(
             f"cannot open the Redis tier at {url}: the user may not run the commands the tier "
-            f"needs: PING, EXISTS, GET, SET, INFO ({text})"
+            f"needs: PING, EXISTS, GET, SET, PEXPIRE, PERSIST, INFO ({text})"
         )
     hint = ""
     if url.startswith("rediss://") and (isinstance(exc, e.timeout) or "SSL" in text):

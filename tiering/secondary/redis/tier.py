@@ -261,7 +261,7 @@ class RedisTier(ThreadedTier, SecondaryTier):
         """`write`, each value expiring as ``hint`` says (see the module's note)."""
         expiry = self._hint_expiry(hint)
         if expiry is None:
-            return await self._write(items, self._wire.write)
+            return await self.write(items)
         written = await self._write(items, self._wire.writer(expiry[0]))
         self._counters.hinted_total += written
         return written

@@ -449,30 +449,32 @@ class RedisWire:
         7.0 or later; a value without a TTL expires never, for both), or never (None:
         ``PERSIST``): ``True`` where the TTL was set (for ``PERSIST``, where the server
         answered: it says 0 both for a value without a TTL and for none at all)."""
-        args: tuple[bytes, ...] = ()
-        expected: int | None = None
-        if ttl_s is None:
-            name = b"PERSIST"
-        else:
-            name, args, expected = b"PEXPIRE", (_milliseconds(ttl_s),), 1
+        name, args = b"PERSIST", list[bytes]()
+        if ttl_s is not None:
+            name, args = b"PEXPIRE", [_milliseconds(ttl_s)]
             if condition:
-                args += (condition,)
+                args.append(condition)
 
         def work(guard: Guard, answer: Answer[bool], rows: list[Row], batch: list[int]) -> None:
-            def send(connection: Connection, positions: list[int]) -> None:
-                frames = b"".join(command(name, rows[p][1], *args) for p in positions)
-                connection.send(guard, frames)
-
-            def receive(connection: Connection, position: int) -> None:
-                reply = connection.reply(guard)
-                accepted = self.accepted(answer, connection, reply)
-                answer.values[position] = accepted and (
-                    reply == expected if expected is not None else isinstance(reply, int)
-                )
-
-            self.exchange(answer, rows, batch, send, receive)
+            if ttl_s is None:
+                receive = self._answered(guard, answer)
+            else:
+                receive = self._receiver(guard, answer, 1)
+            self.exchange(answer, rows, batch, _keys_sender(guard, rows, name, *args), receive)
 
         return work
+
+    def _answered(self, guard: Guard, answer: Answer[bool]) -> Receive:
+        """Reads one row's reply: ``True`` where the server answered with an integer (a
+        refusal counted)."""
+
+        def receive(connection: Connection, position: int) -> None:
+            reply = connection.reply(guard)
+            answer.values[position] = self.accepted(answer, connection, reply) and isinstance(
+                reply, int
+            )
+
+        return receive
 
     def _write(
         self,
@@ -557,10 +559,11 @@ def _milliseconds(seconds: float) -> bytes:
     return b"%d" % max(1, round(seconds * 1000))
 
 
-def _keys_sender(guard: Guard, rows: list[Row], name: bytes) -> Send:
-    """Sends command ``name`` (``EXISTS``, ``GET``) of each row's remote key, in one write."""
+def _keys_sender(guard: Guard, rows: list[Row], name: bytes, *args: bytes) -> Send:
+    """Sends command ``name`` (``EXISTS``, ``GET``, ``PEXPIRE``) of each row's remote key,
+    then ``args``, in one write."""
 
     def send(connection: Connection, positions: list[int]) -> None:
-        connection.send(guard, b"".join(command(name, rows[p][1]) for p in positions))
+        connection.send(guard, b"".join(command(name, rows[p][1], *args) for p in positions))
 
     return send
